@@ -1,0 +1,155 @@
+"""Every config key with its default, and the checks that run before any work.
+
+Config files in `configs/` start from `base_config()` and change what they need;
+`validate()` stops an impossible config with one line that names the fix.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+# The ANDREA vocabulary: 256 byte tokens + 8192 BPE merges + end-of-text.
+ANDREA_VOCAB_SIZE = 8449
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the fix."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Defaults shared by every config: the exact ANDREA-120M model."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.steps = 10_000
+    c.batch_size = 32  # global, in sequences
+    c.seq_len = 1024
+    c.microbatches = 1  # gradient accumulation inside the jitted step
+    c.log_every = 10
+    c.eval_every = 500
+    c.eval_batches = 20  # validation batches per periodic evaluation
+    c.checkpoint_every = 1000
+    c.keep_checkpoints = 3
+    # Peak FLOP/s used for MFU when the device is not in the known table
+    # (0 = measure the float32 matmul rate of this device at start-up).
+    c.peak_flops = 0.0
+
+    c.model = m = ml_collections.ConfigDict()
+    m.n_layer = 12
+    m.d_model = 768
+    m.n_head = 12
+    m.mlp_dim = 3072
+    m.vocab_size = ANDREA_VOCAB_SIZE  # 0 = take the tokenizer's size
+    m.vocab_pad_multiple = 1  # 1 = exact vocabulary; 128 gives fast matmul shapes
+    m.max_len = 1024
+    m.dtype = "float32"  # compute dtype; parameters are always float32
+    m.dropout = 0.0
+    m.layer_norm_epsilon = 1e-5
+    m.attention = "xla"  # "xla" (einsum) or "dot_product" (jax.nn.dot_product_attention)
+    m.remat = False  # recompute each block in the backward pass
+    m.scan_layers = False  # one compiled block scanned over depth
+
+    c.data = d = ml_collections.ConfigDict()
+    d.source = "stdlib"  # "tfds:NAME[/CONFIG]", "text:PATH_OR_GLOB" or "stdlib"
+    d.tokenizer = "bpe"  # "bpe", "byte", "char" or a path to a tokenizer.json
+    d.text_field = "text"  # TFDS feature holding the document text
+    d.train_split = "train"
+    d.val_split = "validation"  # used when the dataset has it
+    d.val_fraction = 0.05  # held out by document when it has not
+    d.tokenizer_train_bytes = 64_000_000  # bound on the BPE training sample
+    d.cache_dir = ""  # token caches; "" = ~/.cache/andrea_jax
+    d.tfds_data_dir = ""  # "" = the TFDS default (~/tensorflow_datasets)
+
+    c.optimizer = o = ml_collections.ConfigDict()
+    o.learning_rate = 6e-4
+    o.warmup_steps = 500
+    o.decay = "cosine"  # "cosine", "linear" or "constant" after warmup
+    o.min_learning_rate_ratio = 0.1  # the floor, as a fraction of the peak
+    o.weight_decay = 0.1
+    # The tied embedding is both input table and output matrix; GPT-2 and
+    # nanoGPT decay it like any matrix.
+    o.decay_embedding = True
+    o.b1 = 0.9
+    o.b2 = 0.95
+    o.eps = 1e-8
+    o.grad_clip_norm = 1.0
+
+    # Mesh axis sizes; -1 takes the devices the other axes leave.
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    # Logical axis name -> mesh axes. Parameters use the plain names,
+    # activations the `act_` names, so that fsdp shards weights, not activations.
+    c.logical_axis_rules = [
+        ("act_batch", ("data", "fsdp")),
+        ("act_len", None),
+        ("act_embed", None),
+        ("act_heads", "tensor"),
+        ("act_mlp", "tensor"),
+        ("act_vocab", "tensor"),
+        ("embed", "fsdp"),
+        ("vocab", "tensor"),
+        ("heads", "tensor"),
+        ("mlp", "tensor"),
+        ("qkv", None),
+        ("head_dim", None),
+        ("position", None),
+        ("norm", None),
+        ("layers", None),
+    ]
+    return c
+
+
+def padded_vocab_size(model_config: ml_collections.ConfigDict) -> int:
+    """The embedding rows: vocab_size rounded up to vocab_pad_multiple."""
+    multiple = max(1, int(model_config.vocab_pad_multiple))
+    return -(-int(model_config.vocab_size) // multiple) * multiple
+
+
+def validate_model(m: ml_collections.ConfigDict) -> None:
+    """Checks on the model section alone."""
+    for key in ("n_layer", "d_model", "n_head", "mlp_dim", "max_len"):
+        if int(m[key]) < 1:
+            raise ConfigError(f"model.{key}={m[key]} must be at least 1")
+    if m.d_model % m.n_head:
+        divisors = [h for h in range(1, m.d_model + 1) if m.d_model % h == 0 and h <= 64]
+        raise ConfigError(
+            f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
+            f"pick a divisor such as {divisors[-1]}")
+    if m.vocab_size < 0:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} must be positive (0 = from the tokenizer)")
+    if m.vocab_pad_multiple < 1:
+        raise ConfigError(f"model.vocab_pad_multiple={m.vocab_pad_multiple} must be at least 1 (1 = no padding)")
+    if m.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"model.dtype={m.dtype!r} is not one of float32, bfloat16, float16")
+    if m.attention not in ("xla", "dot_product"):
+        raise ConfigError(f"model.attention={m.attention!r} is not one of 'xla', 'dot_product'")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """Checks that need no devices; mesh checks live in `sharding.make_mesh`."""
+    validate_model(c.model)
+    if c.seq_len > c.model.max_len:
+        raise ConfigError(
+            f"seq_len={c.seq_len} exceeds model.max_len={c.model.max_len}; "
+            f"lower seq_len or raise model.max_len")
+    for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every",
+                "eval_every", "checkpoint_every", "keep_checkpoints"):
+        if int(c[key]) < 1:
+            raise ConfigError(f"{key}={c[key]} must be at least 1")
+    if c.batch_size % c.microbatches:
+        raise ConfigError(
+            f"batch_size={c.batch_size} is not divisible by microbatches={c.microbatches}; "
+            f"make batch_size a multiple of microbatches")
+    o = c.optimizer
+    if o.decay not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"optimizer.decay={o.decay!r} is not one of cosine, linear, constant")
+    if not 0.0 <= o.min_learning_rate_ratio <= 1.0:
+        raise ConfigError(f"optimizer.min_learning_rate_ratio={o.min_learning_rate_ratio} must be in [0, 1]")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
+    for axis in ("data", "fsdp", "tensor"):
+        size = int(c.mesh[axis])
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (the remaining devices)")
+    if sum(int(c.mesh[a]) == -1 for a in ("data", "fsdp", "tensor")) > 1:
+        raise ConfigError("only one of mesh.data, mesh.fsdp, mesh.tensor may be -1")

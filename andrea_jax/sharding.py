@@ -1,0 +1,99 @@
+"""The device mesh and the mapping from logical axis names to it.
+
+The mesh has axes (data, fsdp, tensor); the config's rule table says which
+logical axis (embed, vocab, heads, mlp, act_batch, ...) lands on which mesh axis.
+A dimension that a mesh axis does not divide is replicated instead (vocab 8449
+cannot be split in two), so every rule table works for every model size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from andrea_jax.config import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the batch is split over both: fsdp is data parallel too
+
+
+def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
+    """Axis sizes with -1 filled in; a clear error when they cannot fit the devices."""
+    sizes = [int(mesh_config[a]) for a in MESH_AXES]
+    fixed = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"mesh {dict(zip(MESH_AXES, sizes))} cannot fill {num_devices} devices: "
+                f"the fixed axes multiply to {fixed}, which does not divide {num_devices}")
+        sizes[sizes.index(-1)] = num_devices // fixed
+    if math.prod(sizes) != num_devices:
+        raise ConfigError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but "
+            f"{num_devices} are present; set one of --config.mesh.data/fsdp/tensor to -1")
+    return tuple(sizes)
+
+
+def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[Any] | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh over all devices of all processes."""
+    devices = list(devices) if devices is not None else jax.devices()
+    shape = mesh_shape(config.mesh, len(devices))
+    data_parallel = shape[0] * shape[1]
+    if config.batch_size % data_parallel:
+        raise ConfigError(
+            f"batch_size={config.batch_size} is not divisible by the data-parallel size "
+            f"{data_parallel} (mesh.data × mesh.fsdp); use a multiple of {data_parallel}")
+    if (config.batch_size // config.microbatches) % data_parallel:
+        raise ConfigError(
+            f"each micro-batch of {config.batch_size // config.microbatches} sequences must split over "
+            f"{data_parallel} data-parallel devices; lower microbatches or raise batch_size")
+    # Auto axes: Flax's logical partitioning works with them, not with Explicit ones.
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                         devices=devices)
+
+
+def rules(config: ml_collections.ConfigDict) -> tuple:
+    return tuple((name, tuple(axes) if isinstance(axes, list) else axes)
+                 for name, axes in config.logical_axis_rules)
+
+
+def _fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Drop mesh axes from dimensions they do not divide (those are replicated)."""
+    fitted = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        kept = []
+        for name in names:
+            if dim % (math.prod(mesh.shape[n] for n in kept) * mesh.shape[name]) == 0:
+                kept.append(name)
+        fitted.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return P(*fitted)
+
+
+def logical_shardings(boxed_tree: Any, mesh: Mesh, axis_rules: tuple) -> Any:
+    """NamedShardings for a tree of nn.Partitioned (or plain) shape structs."""
+    specs = nn.get_partition_spec(boxed_tree)
+    unboxed = nn.meta.unbox(boxed_tree)
+    mesh_specs = nn.logical_to_mesh(specs, axis_rules)
+    return jax.tree.map(lambda spec, leaf: NamedSharding(mesh, _fit_spec(spec, leaf.shape, mesh)),
+                        mesh_specs, unboxed, is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Token batches [B, L]: rows over the data-parallel axes."""
+    return NamedSharding(mesh, P(BATCH_AXES, None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def describe(mesh: Mesh) -> str:
+    return " × ".join(f"{name}={size}" for name, size in mesh.shape.items()) + \
+        f" over {mesh.devices.size} {np.ravel(mesh.devices)[0].platform} device(s)"

@@ -1,0 +1,24 @@
+"""ANDREA-120M: the exact model of the spec (92,331,264 parameters), set up for a
+real run on one accelerator (a Colab GPU or TPU); scale batch_size with devices."""
+
+from andrea_jax.config import base_config
+
+
+def get_config():
+    c = base_config()  # the model section already is the exact ANDREA-120M
+    c.model.dtype = "bfloat16"
+    c.model.attention = "dot_product"  # cuDNN flash attention on GPU
+    c.steps = 20_000
+    c.batch_size = 32  # × 1024 tokens = 32k tokens a step
+    c.seq_len = 1024
+    c.microbatches = 1  # raise on small GPUs: the step accumulates gradients
+    c.log_every = 20
+    c.eval_every = 500
+    c.eval_batches = 40
+    c.checkpoint_every = 1000
+    c.keep_checkpoints = 3
+    c.optimizer.learning_rate = 6e-4
+    c.optimizer.warmup_steps = 700
+    c.data.source = "tfds:lm1b"
+    c.data.tokenizer = "bpe"
+    return c

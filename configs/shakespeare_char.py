@@ -1,0 +1,39 @@
+"""nanoGPT's CPU recipe for shakespeare_char, for a side-by-side comparison:
+4 layers, 4 heads, d_model 128, context 64, batch 12, 2000 steps, lr 1e-3
+decayed to 1e-4, character tokens, dropout 0. nanoGPT reaches val loss ~1.88."""
+
+import os
+
+from andrea_jax.config import base_config
+
+# nanoGPT's own data file splits 90/10 by position; use it when it is beside the
+# repository, else the TFDS copy of the same text (downloaded on first use).
+_LOCAL_TEXT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "tinyshakespeare.txt")
+
+
+def get_config():
+    c = base_config()
+    m = c.model
+    m.n_layer, m.d_model, m.n_head, m.mlp_dim = 4, 128, 4, 512
+    m.max_len = 64
+    m.vocab_size = 0  # the character set of the text + end-of-text
+    c.seq_len = 64
+    c.batch_size = 12
+    c.steps = 2000
+    c.log_every = 50
+    c.eval_every = 250
+    c.eval_batches = 200
+    c.checkpoint_every = 1000
+    o = c.optimizer
+    o.learning_rate = 1e-3
+    o.min_learning_rate_ratio = 0.1
+    o.warmup_steps = 100
+    o.b2 = 0.99
+    o.weight_decay = 0.1
+    c.data.tokenizer = "char"
+    if os.path.exists(_LOCAL_TEXT):
+        c.data.source = "text:" + os.path.abspath(_LOCAL_TEXT)
+        c.data.val_fraction = 0.1
+    else:
+        c.data.source = "tfds:tiny_shakespeare"
+    return c

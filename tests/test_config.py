@@ -1,0 +1,92 @@
+"""Every config loads, and impossible ones stop with a line that names the fix."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from andrea_jax.config import ConfigError, base_config, padded_vocab_size, validate
+from andrea_jax.sharding import mesh_shape
+
+CONFIGS = sorted(pathlib.Path(__file__).parent.parent.joinpath("configs").glob("*.py"))
+REQUIRED_KEYS = ["seed", "steps", "batch_size", "seq_len", "checkpoint_every", "keep_checkpoints",
+                 "eval_every", "log_every", "model.n_layer", "model.d_model", "model.n_head",
+                 "model.mlp_dim", "model.vocab_size", "model.max_len", "model.dtype", "data.source",
+                 "data.tokenizer", "mesh.data", "mesh.fsdp", "mesh.tensor"]
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_files_load_validate_and_have_every_key(path):
+    config = load(path)
+    validate(config)
+    for key in REQUIRED_KEYS:
+        node = config
+        for part in key.split("."):
+            node = node[part]
+
+
+def test_config_files_are_the_expected_models():
+    configs = {p.stem: load(p) for p in CONFIGS}
+    assert {"andrea120m", "tiny", "shakespeare_char"} <= configs.keys()
+    m = configs["andrea120m"].model
+    assert (m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.vocab_size, m.max_len) == (12, 768, 12, 3072, 8449, 1024)
+    assert m.vocab_pad_multiple == 1 and m.dropout == 0.0
+    s = configs["shakespeare_char"]
+    assert (s.model.n_layer, s.model.n_head, s.model.d_model, s.seq_len, s.batch_size, s.steps) == \
+        (4, 4, 128, 64, 12, 2000)
+    assert s.optimizer.learning_rate == 1e-3 and s.data.tokenizer == "char"
+    assert configs["tiny"].data.source == "stdlib"
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model=dict(n_head=5)), "n_head=5 does not divide model.d_model=768; pick a divisor such as 64"),
+    (dict(seq_len=2048), "seq_len=2048 exceeds model.max_len=1024"),
+    (dict(batch_size=10, microbatches=4), "not divisible by microbatches=4"),
+    (dict(model=dict(dtype="float8")), "model.dtype='float8' is not one of"),
+    (dict(model=dict(attention="flash")), "model.attention='flash'"),
+    (dict(optimizer=dict(decay="step")), "optimizer.decay='step'"),
+    (dict(mesh=dict(data=-1, fsdp=-1)), "only one of mesh.data"),
+    (dict(steps=0), "steps=0 must be at least 1"),
+])
+def test_impossible_configs_name_the_fix(change, message):
+    config = base_config()
+    config.update_from_flattened_dict(_flatten(change))
+    with pytest.raises(ConfigError) as error:
+        validate(config)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_mesh_shape_fills_minus_one_and_rejects_misfits():
+    config = base_config()
+    config.mesh.update(dict(data=-1, fsdp=2, tensor=2))
+    assert mesh_shape(config.mesh, 8) == (2, 2, 2)
+    with pytest.raises(ConfigError, match="does not divide 6"):
+        mesh_shape(config.mesh, 6)
+    config.mesh.update(dict(data=2, fsdp=2, tensor=1))
+    with pytest.raises(ConfigError, match="needs 4 devices but 8 are present"):
+        mesh_shape(config.mesh, 8)
+
+
+def test_vocab_padding():
+    m = base_config().model
+    assert padded_vocab_size(m) == 8449
+    m.vocab_pad_multiple = 128
+    assert padded_vocab_size(m) == 8576
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, prefix + k + "."))
+        else:
+            out[prefix + k] = v
+    return out

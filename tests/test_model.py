@@ -1,0 +1,233 @@
+"""The model against the spec and against an independent float64 NumPy forward."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from andrea_jax import interop, model, summary
+from andrea_jax.config import base_config
+
+
+def small_model(**overrides):
+    m = base_config().model
+    m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.vocab_size, m.max_len = 2, 64, 4, 256, 101, 16
+    m.update(overrides)
+    return m
+
+
+def init(m, seed=0, scale=1.0):
+    """Params with weights scaled up, so that GELU/LayerNorm mistakes show in the logits."""
+    params = nn.meta.unbox(model.init_params(m, jax.random.key(seed)))
+    rng = np.random.default_rng(seed)
+    # LayerNorm gains and biases away from 1 and 0, so a missing term is visible.
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: p * scale + (0.1 * rng.standard_normal(p.shape).astype(np.float32)
+                                     if "bias" in jax.tree_util.keystr(path) or "scale" in jax.tree_util.keystr(path)
+                                     else 0.0), params)
+
+
+def forward(m, params, ids, **kw):
+    return model.build(m).apply({"params": params}, jnp.asarray(ids), **kw)
+
+
+# ---- an independent float64 reference, written from the spec's equations ----
+
+def np_layer_norm(x, scale, bias, eps=1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return scale * (x - mean) / np.sqrt(var + eps) + bias
+
+
+def np_gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def np_forward(sd, ids, n_head, gelu=np_gelu_tanh):
+    """GPT-2 equations in float64 on a HF-layout state dict."""
+    f = {k: np.asarray(v, np.float64) for k, v in sd.items()}
+    length = ids.shape[1]
+    x = f["transformer.wte.weight"][ids] + f["transformer.wpe.weight"][:length]
+    n_layer = len({k.split(".")[2] for k in f if k.startswith("transformer.h.")})
+    d = x.shape[-1]
+    hd = d // n_head
+    mask = np.tril(np.ones((length, length), bool))
+    for i in range(n_layer):
+        p = f"transformer.h.{i}."
+        h = np_layer_norm(x, f[p + "ln_1.weight"], f[p + "ln_1.bias"])
+        qkv = h @ f[p + "attn.c_attn.weight"] + f[p + "attn.c_attn.bias"]
+        q, k, v = np.split(qkv, 3, axis=-1)
+        split = lambda t: t.reshape(t.shape[0], length, n_head, hd).transpose(0, 2, 1, 3)
+        q, k, v = split(q), split(k), split(v)
+        att = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd)
+        att = np.where(mask, att, -np.inf)
+        att = np.exp(att - att.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        y = (att @ v).transpose(0, 2, 1, 3).reshape(x.shape)
+        x = x + y @ f[p + "attn.c_proj.weight"] + f[p + "attn.c_proj.bias"]
+        h = np_layer_norm(x, f[p + "ln_2.weight"], f[p + "ln_2.bias"])
+        h = gelu(h @ f[p + "mlp.c_fc.weight"] + f[p + "mlp.c_fc.bias"])
+        x = x + h @ f[p + "mlp.c_proj.weight"] + f[p + "mlp.c_proj.bias"]
+    x = np_layer_norm(x, f["transformer.ln_f.weight"], f["transformer.ln_f.bias"])
+    return x @ f["transformer.wte.weight"].T
+
+
+# ---- the spec's numbers ----
+
+def test_andrea120m_parameter_count_is_exact():
+    m = base_config().model
+    assert summary.count(summary.param_shapes(m)) == 92_331_264
+    m.scan_layers = True
+    assert summary.count(summary.param_shapes(m)) == 92_331_264
+
+
+def test_andrea120m_shapes_and_summary_rows():
+    m = base_config().model
+    shapes = summary.param_shapes(m)
+    assert shapes["token_embed"].shape == (8449, 768)
+    assert shapes["position_embed"].shape == (1024, 768)
+    block = shapes["block_0"]
+    assert block["attn"]["qkv_kernel"].shape == (768, 3, 12, 64)
+    assert block["mlp"]["fc_kernel"].shape == (768, 3072)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(shapes))
+    table = {name: n for name, _, n in summary.rows(m)}
+    assert table["block_5"] == 7_087_872
+    assert table["ln_f"] == 1536
+    assert table["total"] == 92_331_264
+    logits = jax.eval_shape(lambda p, ids: forward(m, p, ids), shapes, jax.ShapeDtypeStruct((2, 1024), jnp.int32))
+    assert logits.shape == (2, 1024, 8449) and logits.dtype == jnp.float32
+
+
+def test_twenty_five_layer_norms_and_no_output_matrix():
+    shapes = summary.param_shapes(base_config().model)
+    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in flat]
+    norms = {p.rsplit("/", 1)[0] for p in paths if p.endswith("/scale")}
+    assert len(norms) == 25
+    # Tied output: the only (vocab, d_model) matrix is the token embedding.
+    vocab_matrices = [p for p, (_, leaf) in zip(paths, flat) if leaf.shape == (8449, 768)]
+    assert vocab_matrices == ["token_embed"]
+
+
+def test_init_follows_gpt2():
+    m = base_config().model
+    m.n_layer, m.d_model, m.n_head, m.mlp_dim = 12, 256, 4, 1024
+    p = nn.meta.unbox(model.init_params(m, jax.random.key(0)))
+    block = p["block_3"]
+    assert np.std(block["mlp"]["fc_kernel"]) == pytest.approx(0.02, rel=0.05)
+    assert np.std(block["mlp"]["proj_kernel"]) == pytest.approx(0.02 / math.sqrt(24), rel=0.05)
+    assert np.std(block["attn"]["out_kernel"]) == pytest.approx(0.02 / math.sqrt(24), rel=0.05)
+    assert np.std(p["token_embed"]) == pytest.approx(0.02, rel=0.05)
+    assert np.all(block["attn"]["qkv_bias"] == 0) and np.all(block["ln_1"]["scale"] == 1)
+
+
+# ---- the forward equation ----
+
+def test_forward_matches_float64_numpy_reference():
+    m = small_model()
+    params = init(m, scale=8.0)
+    ids = np.random.default_rng(1).integers(0, m.vocab_size, (2, 16))
+    ours = np.asarray(forward(m, params, ids), np.float64)
+    reference = np_forward(interop.to_gpt2(params, m), ids, m.n_head)
+    assert np.abs(reference).max() > 1.0  # the check is not trivially satisfied
+    np.testing.assert_allclose(ours, reference, atol=1e-5 * np.abs(reference).max(), rtol=0)
+
+
+def test_gelu_is_the_tanh_form():
+    """The reference tolerance can tell tanh-GELU from exact (erf) GELU."""
+    m = small_model()
+    params = init(m, scale=8.0)
+    ids = np.random.default_rng(2).integers(0, m.vocab_size, (1, 16))
+    ours = np.asarray(forward(m, params, ids), np.float64)
+    exact_gelu = np.vectorize(lambda x: 0.5 * x * (1 + math.erf(x / math.sqrt(2))))
+    with_erf = np_forward(interop.to_gpt2(params, m), ids, m.n_head, gelu=exact_gelu)
+    assert np.abs(ours - with_erf).max() > 10 * 1e-5 * np.abs(with_erf).max()
+
+
+def test_causality():
+    m = small_model()
+    params = init(m)
+    ids = np.random.default_rng(3).integers(0, m.vocab_size, (1, 16))
+    base = np.asarray(forward(m, params, ids))
+    for t in (0, 7, 14):
+        changed = ids.copy()
+        changed[0, t + 1] = (changed[0, t + 1] + 1) % m.vocab_size
+        out = np.asarray(forward(m, params, changed))
+        np.testing.assert_array_equal(out[:, : t + 1], base[:, : t + 1])
+        assert np.abs(out[:, t + 1] - base[:, t + 1]).max() > 0
+
+
+def test_pre_norm_order_zero_sublayers_are_identity():
+    """With every sub-layer's output projection zeroed, the blocks are the identity
+    (true of pre-norm x + f(LN(x)); post-norm would still normalise the stream)."""
+    m = small_model()
+    params = init(m)
+    for i in range(m.n_layer):
+        for layer, names in (("attn", ("out_kernel", "out_bias")), ("mlp", ("proj_kernel", "proj_bias"))):
+            for name in names:
+                params[f"block_{i}"][layer][name] = jnp.zeros_like(params[f"block_{i}"][layer][name])
+    ids = np.arange(16)[None] % m.vocab_size
+    sd = interop.to_gpt2(params, m)
+    x = sd["transformer.wte.weight"][ids] + sd["transformer.wpe.weight"][:16]
+    expected = np_layer_norm(x.astype(np.float64), sd["transformer.ln_f.weight"], sd["transformer.ln_f.bias"]) \
+        @ sd["transformer.wte.weight"].T.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(forward(m, params, ids)), expected, atol=1e-4)
+
+
+# ---- options ----
+
+def test_padded_vocabulary_is_never_predicted_and_leaves_real_logits_unchanged():
+    m = small_model()
+    padded = small_model(vocab_pad_multiple=64)
+    params = init(m)
+    padded_params = interop.from_gpt2(interop.to_gpt2(params, m), padded)
+    assert padded_params["token_embed"].shape == (128, 64)
+    ids = np.random.default_rng(4).integers(0, m.vocab_size, (2, 16))
+    exact = np.asarray(forward(m, params, ids))
+    out = np.asarray(forward(padded, padded_params, ids))
+    np.testing.assert_allclose(out[..., : m.vocab_size], exact, atol=1e-5)
+    assert np.all(out[..., m.vocab_size:] <= -1e30)
+    assert np.all(jax.nn.softmax(out)[..., m.vocab_size:] == 0)
+
+
+@pytest.mark.parametrize("options", [dict(attention="dot_product"), dict(remat=True),
+                                     dict(scan_layers=True), dict(scan_layers=True, remat=True)])
+def test_implementation_options_give_the_same_logits(options):
+    m = small_model()
+    params = init(m, scale=4.0)
+    other = small_model(**options)
+    other_params = interop.from_gpt2(interop.to_gpt2(params, m), other)
+    ids = np.random.default_rng(5).integers(0, m.vocab_size, (2, 16))
+    np.testing.assert_allclose(np.asarray(forward(other, other_params, ids)),
+                               np.asarray(forward(m, params, ids)), atol=2e-5, rtol=1e-5)
+    grads = jax.grad(lambda p: forward(other, p, ids).mean())(other_params)
+    assert np.isfinite(summary.count(grads)) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits():
+    m = small_model(dtype="bfloat16")
+    params = init(m)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+    ids = np.random.default_rng(6).integers(0, m.vocab_size, (2, 16))
+    out = forward(m, params, ids)
+    assert out.dtype == jnp.float32
+    exact = forward(small_model(), params, ids)
+    err = float(jnp.abs(out - exact).max())
+    assert 0 < err < 0.05 * float(jnp.abs(exact).max())
+
+
+def test_dropout_only_when_training():
+    m = small_model(dropout=0.5)
+    params = init(m)
+    ids = np.arange(16)[None] % m.vocab_size
+    eval_out = np.asarray(forward(m, params, ids))
+    np.testing.assert_array_equal(eval_out, np.asarray(forward(small_model(), params, ids)))
+    train_a = forward(m, params, ids, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    train_b = forward(m, params, ids, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    train_c = forward(m, params, ids, deterministic=False, rngs={"dropout": jax.random.key(2)})
+    np.testing.assert_array_equal(np.asarray(train_a), np.asarray(train_b))
+    assert np.abs(np.asarray(train_a) - eval_out).max() > 1e-3
+    assert np.abs(np.asarray(train_a) - np.asarray(train_c)).max() > 1e-3
