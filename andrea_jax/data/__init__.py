@@ -1,0 +1,9 @@
+"""The data pipeline: text source -> tokenizer -> token cache -> batches.
+
+`pipeline.prepare` runs the first three once per run; `batcher` turns a cached
+token stream into the batches of a step, as a pure function of (seed, step).
+"""
+
+
+class DataError(ValueError):
+    """Input the pipeline cannot use; the message names the fix."""

@@ -1,0 +1,275 @@
+"""Tokenizers: byte-level BPE (the ANDREA 8449), bytes, and characters.
+
+All three share one small interface and save to one `tokenizer.json`. Text is a
+Python `str` that may carry undecodable file bytes as surrogate escapes
+(`errors="surrogateescape"`); every tokenizer encodes those losslessly, and
+`decode(ids, errors="surrogateescape")` gives the exact string back.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import hashlib
+import json
+import os
+import re
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from andrea_jax.data import DataError
+
+END_OF_TEXT = "<|endoftext|>"
+BPE_MERGES = 8192  # 256 byte tokens + 8192 merges + end-of-text = 8449
+_OWN_FORMAT_KEY = "andrea_jax_tokenizer"  # marks the byte and char JSON files
+_SURROGATE_RUN = re.compile("[\ud800-\udfff]+")
+_REPLACEMENT = "\ufffd".encode("utf-8")
+
+
+def utf8_bytes(text: str) -> bytes:
+    """The bytes a text came from: surrogate escapes turn back into raw bytes."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # surrogates that are not escapes of bytes
+        return text.encode("utf-8", "surrogatepass")
+
+
+@functools.cache
+def byte_to_char() -> dict[int, str]:
+    """The byte-level BPE alphabet: each byte as one printable character.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are
+    shifted to code points from 256 on, so no token contains whitespace or
+    control characters (the mapping GPT-2 introduced).
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + shifted)
+            shifted += 1
+    return mapping
+
+
+class Tokenizer(abc.ABC):
+    """What the pipeline, the trainer and eval need from any tokenizer."""
+
+    kind: str
+    vocab_size: int
+    eot_id: int
+
+    @abc.abstractmethod
+    def to_json(self) -> str:
+        """The content of `tokenizer.json`."""
+
+    @abc.abstractmethod
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Token ids of each text as an int32 array (the fast path of the cache)."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        """Text of the ids. Never raises: ids outside the vocabulary decode as U+FFFD.
+
+        errors="replace" gives printable text; "surrogateescape" is lossless.
+        """
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_arrays([text])[0].tolist()
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [ids.tolist() for ids in self.encode_arrays(texts)]
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        """Hash of the JSON: keys the token caches and is checked on resume."""
+        return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes `tokenizer.json` atomically (never a half-written file)."""
+        temporary = f"{os.fspath(path)}.tmp{os.getpid()}"
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+        os.replace(temporary, path)
+
+
+def _decode_table(table: Sequence[bytes], ids: Iterable[int], errors: str) -> str:
+    size = len(table)
+    raw = b"".join(table[i] if 0 <= i < size else _REPLACEMENT for i in map(int, ids))
+    return raw.decode("utf-8", errors)
+
+
+class ByteTokenizer(Tokenizer):
+    """256 byte tokens + end-of-text (id 256): no training, any text."""
+
+    kind = "byte"
+    vocab_size = 257
+    eot_id = 256
+
+    def __init__(self) -> None:
+        self._table = [bytes([b]) for b in range(256)] + [END_OF_TEXT.encode()]
+
+    def to_json(self) -> str:
+        return json.dumps({_OWN_FORMAT_KEY: "byte", "version": 1, "end_of_text": END_OF_TEXT})
+
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.frombuffer(utf8_bytes(t), np.uint8).astype(np.int32) for t in texts]
+
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        return _decode_table(self._table, ids, errors)
+
+
+class CharTokenizer(Tokenizer):
+    """One token per character of the training text, sorted, + end-of-text last."""
+
+    kind = "char"
+
+    def __init__(self, chars: Sequence[str]) -> None:
+        self.chars = sorted(set(chars))
+        self.vocab_size = len(self.chars) + 1
+        self.eot_id = len(self.chars)
+        self._code_points = np.array([ord(c) for c in self.chars], np.uint32)
+
+    def to_json(self) -> str:
+        return json.dumps({_OWN_FORMAT_KEY: "char", "version": 1,
+                           "end_of_text": END_OF_TEXT, "chars": self.chars})
+
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self._encode_one(t) for t in texts]
+
+    def _encode_one(self, text: str) -> np.ndarray:
+        code_points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+        ids = np.searchsorted(self._code_points, code_points)
+        known = ids < len(self.chars)
+        known[known] = self._code_points[ids[known]] == code_points[known]
+        if not known.all():
+            unknown = chr(int(code_points[~known][0]))
+            raise DataError(
+                f"character {unknown!r} (U+{ord(unknown):04X}) is not in the char vocabulary "
+                f"built from the training text; use data.tokenizer='byte' or 'bpe'")
+        return ids.astype(np.int32)
+
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        size = len(self.chars)
+        text = "".join(self.chars[i] if 0 <= i < size else
+                       END_OF_TEXT if i == size else "\ufffd" for i in map(int, ids))
+        return text if errors == "surrogateescape" else _SURROGATE_RUN.sub(
+            lambda run: "\ufffd" * len(run.group()), text)
+
+
+class BpeTokenizer(Tokenizer):
+    """A byte-level BPE held by HF `tokenizers` (trained here or loaded)."""
+
+    kind = "bpe"
+
+    def __init__(self, hf_tokenizer) -> None:
+        self._hf = hf_tokenizer
+        eot = hf_tokenizer.token_to_id(END_OF_TEXT)
+        if eot is None:
+            raise DataError(f"the tokenizer has no {END_OF_TEXT} token; add it as a special token")
+        vocab = hf_tokenizer.get_vocab(with_added_tokens=True)
+        self.eot_id = eot
+        self.vocab_size = max(vocab.values()) + 1
+        char_to_byte = {c: b for b, c in byte_to_char().items()}
+        special = {t.content for t in hf_tokenizer.get_added_tokens_decoder().values()}
+        self._table = [_REPLACEMENT] * self.vocab_size
+        self._byte_ids = np.zeros(256, np.int32)
+        for token, token_id in vocab.items():
+            if token in special:
+                self._table[token_id] = token.encode("utf-8")
+            else:
+                self._table[token_id] = bytes(char_to_byte[c] for c in token)
+        for token, token_id in vocab.items():
+            if len(token) == 1 and token not in special:
+                self._byte_ids[char_to_byte[token]] = token_id
+
+    @functools.cached_property
+    def _json(self) -> str:
+        return self._hf.to_str()
+
+    def to_json(self) -> str:
+        return self._json
+
+    @property
+    def num_merges(self) -> int:
+        return len(json.loads(self._json)["model"]["merges"])
+
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        texts = list(texts)
+        with_escapes = [i for i, t in enumerate(texts) if _SURROGATE_RUN.search(t)]
+        clean = list(texts)
+        for i in with_escapes:
+            clean[i] = ""
+        encode = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)
+        arrays = [np.asarray(e.ids, np.int32) for e in encode(clean, add_special_tokens=False)]
+        for i in with_escapes:
+            arrays[i] = self._encode_with_escapes(texts[i])
+        return arrays
+
+    def _encode_with_escapes(self, text: str) -> np.ndarray:
+        # HF tokenizers only take valid Unicode: encode the valid runs as usual and
+        # each escaped byte as its byte token, which keeps the exact bytes.
+        pieces, position = [], 0
+        for run in _SURROGATE_RUN.finditer(text):
+            pieces.append(self._hf.encode(text[position:run.start()], add_special_tokens=False).ids)
+            pieces.append(self._byte_ids[np.frombuffer(utf8_bytes(run.group()), np.uint8)])
+            position = run.end()
+        pieces.append(self._hf.encode(text[position:], add_special_tokens=False).ids)
+        return np.concatenate([np.asarray(p, np.int32) for p in pieces])
+
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        return _decode_table(self._table, ids, errors)
+
+
+def train_bpe(texts: Iterable[str], num_merges: int = BPE_MERGES) -> BpeTokenizer:
+    """Trains the byte-level BPE; end-of-text is added last, so it gets the last id.
+
+    (As a trainer special token it would get id 0.) A small text may give fewer
+    merges than asked: `num_merges` is an upper bound.
+    """
+    from tokenizers import Tokenizer as HfTokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = HfTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + num_merges, show_progress=False, special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    # Escaped bytes cannot reach the trainer; they stay byte tokens when encoding.
+    hf.train_from_iterator((_SURROGATE_RUN.sub("", t) for t in texts), trainer)
+    hf.add_special_tokens([END_OF_TEXT])
+    return BpeTokenizer(hf)
+
+
+def build_char(texts: Iterable[str]) -> CharTokenizer:
+    chars: set[str] = set()
+    for text in texts:
+        chars.update(text)
+    if not chars:
+        raise DataError("the training text is empty, so it has no characters; add text to the source")
+    return CharTokenizer(sorted(chars))
+
+
+def load(path: str | os.PathLike) -> Tokenizer:
+    """Reads any `tokenizer.json` this module writes, or a byte-level BPE one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        content = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"cannot read tokenizer {os.fspath(path)!r} ({error}); "
+                        f"point data.tokenizer at a valid tokenizer.json") from None
+    own = content.get(_OWN_FORMAT_KEY) if isinstance(content, dict) else None
+    if own == "byte":
+        return ByteTokenizer()
+    if own == "char":
+        return CharTokenizer(content["chars"])
+    pre_tokenizer = (content.get("pre_tokenizer") or {}) if isinstance(content, dict) else {}
+    if pre_tokenizer.get("type") != "ByteLevel":
+        raise DataError(f"{os.fspath(path)!r} is not a byte-level BPE tokenizer.json; "
+                        f"use one saved by this project or a GPT-2 style one")
+    from tokenizers import Tokenizer as HfTokenizer
+
+    return BpeTokenizer(HfTokenizer.from_str(text))
