@@ -1,0 +1,229 @@
+"""`data.source` -> train and validation documents, read through TFDS.
+
+`tfds:NAME[/CONFIG]` opens a registered dataset (downloaded and prepared on
+first use), `text:PATH_OR_GLOB` and `stdlib` go through the project's own
+local-text builder. Validation is the dataset's own split when it has one,
+else every k-th document, else (few documents) the last fraction of the text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Callable, Protocol, Sequence
+
+import ml_collections
+import tensorflow_datasets as tfds
+
+from andrea_jax.data import DataError, text_builder
+
+# Below this many held-out documents the split is by text, not by document.
+MIN_VAL_DOCUMENTS = 10
+# TFDS downloads from many hosts; its own bucket stands for "the internet".
+NETWORK_PROBE = ("storage.googleapis.com", 443)
+
+
+class Documents(Protocol):
+    """A split's documents, random access."""
+
+    def __len__(self) -> int: ...
+
+    def read(self, start: int, stop: int) -> list[str]: ...
+
+
+def _as_text(value) -> str:
+    # TFDS Text features come back as bytes; escapes keep undecodable bytes exact.
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSourceDocuments:
+    """Documents of a TFDS data source, optionally every k-th one (or all but those)."""
+
+    source: Sequence
+    field: str
+    stride: int = 0  # 0: all documents
+    held_out: bool = False  # with a stride: the k-th documents, else all others
+
+    def __len__(self) -> int:
+        total = len(self.source)
+        if not self.stride:
+            return total
+        held_out = total // self.stride
+        return held_out if self.held_out else total - held_out
+
+    def _position(self, index: int) -> int:
+        if not self.stride:
+            return index
+        if self.held_out:
+            return index * self.stride + self.stride - 1
+        return index + index // (self.stride - 1)
+
+    def read(self, start: int, stop: int) -> list[str]:
+        positions = [self._position(i) for i in range(start, min(stop, len(self)))]
+        if hasattr(self.source, "__getitems__"):
+            records = self.source.__getitems__(positions)
+        else:
+            records = [self.source[p] for p in positions]
+        return [_as_text(r[self.field]) for r in records]
+
+
+@dataclasses.dataclass(frozen=True)
+class ListDocuments:
+    texts: Sequence[str]
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def read(self, start: int, stop: int) -> list[str]:
+        return list(self.texts[start:stop])
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    train: Documents
+    val: Documents
+    # What the documents are (dataset, version or file fingerprint, split rule):
+    # keys the token caches, so a changed source builds new ones.
+    identity: dict
+
+
+def network_available(timeout_s: float = 3.0) -> bool:
+    try:
+        socket.create_connection(NETWORK_PROBE, timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def ensure_prepared(builder, network_check: Callable[[], bool] = network_available) -> None:
+    """Prepares a TFDS dataset, failing in seconds (not minutes of retries) offline."""
+    if builder.is_prepared():
+        return
+    name = builder.info.full_name
+    if not network_check():
+        raise DataError(
+            f"TFDS dataset {name} is not prepared in {builder.data_dir} and there is no network "
+            f"to download it; run once online, set data.tfds_data_dir to a prepared copy, "
+            f"or use data.source='stdlib' or 'text:PATH'")
+    try:
+        builder.download_and_prepare(file_format="array_record")
+    except ImportError as error:
+        raise DataError(f"preparing TFDS dataset {name} needs {error.name or error} "
+                        f"(its builder imports it); install it, or prepare the dataset "
+                        f"where it is installed and set data.tfds_data_dir") from None
+
+
+def _open_split(builder, split: str):
+    try:
+        return builder.as_data_source(split=split)
+    except Exception as error:  # TFDS raises several types for one cause
+        raise DataError(
+            f"cannot read split {split!r} of {builder.info.full_name} as array_record ({error}); "
+            f"prepare it again into an empty data.tfds_data_dir") from None
+
+
+def _check_field(builder, field: str) -> None:
+    features = builder.info.features
+    if field not in features:
+        raise DataError(f"{builder.info.full_name} has no field {field!r}; set data.text_field "
+                        f"to one of {sorted(features.keys())}")
+
+
+def hold_out(documents: Documents, val_fraction: float) -> tuple[Documents, Documents, str]:
+    """(train, val, rule): every k-th document held out, or the text's last fraction."""
+    if not 0.0 < val_fraction <= 0.5:
+        raise DataError(f"data.val_fraction={val_fraction} must be in (0, 0.5]")
+    stride = max(2, round(1.0 / val_fraction))
+    source = documents.source if isinstance(documents, DataSourceDocuments) else None
+    if source is not None and not documents.stride and len(documents) // stride >= MIN_VAL_DOCUMENTS:
+        field = documents.field
+        return (DataSourceDocuments(source, field, stride, held_out=False),
+                DataSourceDocuments(source, field, stride, held_out=True),
+                f"every {stride}th document")
+    # Too few documents: hold out the last fraction of the text (nanoGPT's
+    # 90/10 split for a single file such as tinyshakespeare).
+    texts = documents.read(0, len(documents))
+    cut = int(sum(map(len, texts)) * (1.0 - val_fraction) + 1e-6)  # 1 - 0.3 is 0.6999...
+    train, val, position = [], [], 0
+    for text in texts:
+        if position + len(text) <= cut:
+            train.append(text)
+        elif position >= cut:
+            val.append(text)
+        else:
+            train.append(text[:cut - position])
+            val.append(text[cut - position:])
+        position += len(text)
+    return ListDocuments(train), ListDocuments(val), f"last {val_fraction} of the text"
+
+
+def _check_not_empty(splits: Splits, described: str) -> Splits:
+    for name, documents in (("train", splits.train), ("validation", splits.val)):
+        if len(documents) == 0:
+            raise DataError(f"{described} gives an empty {name} split; add text or change "
+                            f"data.val_fraction")
+    return splits
+
+
+def open_tfds(name: str, data: ml_collections.ConfigDict,
+              network_check: Callable[[], bool] = network_available) -> Splits:
+    """A registered TFDS dataset `NAME[/CONFIG]`: downloaded and prepared on first use."""
+    data_dir = data.get("tfds_data_dir", "") or None
+    try:
+        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+    except tfds.core.registered.DatasetNotFoundError:
+        raise DataError(f"TFDS has no dataset {name!r}; check the name with "
+                        f"tfds.list_builders() and data.source='tfds:NAME[/CONFIG]'") from None
+    return splits_of_builder(builder, data, network_check)
+
+
+def splits_of_builder(builder, data: ml_collections.ConfigDict,
+                      network_check: Callable[[], bool] = network_available) -> Splits:
+    """Train/val documents of a TFDS builder (prepared here when it is not yet)."""
+    field = data.get("text_field", "text")
+    train_split = data.get("train_split", "train")
+    val_split = data.get("val_split", "validation")
+    _check_field(builder, field)  # from the builder's code: fails before any download
+    ensure_prepared(builder, network_check)
+    available = set(builder.info.splits.keys())
+    if train_split.split("[")[0] not in available:
+        raise DataError(f"{builder.info.full_name} has no split {train_split!r}; set "
+                        f"data.train_split to one of {sorted(available)}")
+    train = DataSourceDocuments(_open_split(builder, train_split), field)
+    if val_split and val_split.split("[")[0] in available:
+        val, rule = DataSourceDocuments(_open_split(builder, val_split), field), f"split {val_split}"
+    else:
+        train, val, rule = hold_out(train, float(data.get("val_fraction", 0.05)))
+    identity = {"dataset": builder.info.full_name, "field": field, "train_split": train_split,
+                "val_rule": rule}
+    return _check_not_empty(Splits(train, val, identity), builder.info.full_name)
+
+
+def open_local(root: str, files: Sequence[str], data: ml_collections.ConfigDict,
+               cache_dir: str) -> Splits:
+    """Local files through the local-text builder, one dataset per file set."""
+    key = text_builder.fingerprint(root, files)
+    builder = text_builder.prepare_local_dataset(root, files, os.path.join(cache_dir, "tfds", key))
+    local = ml_collections.ConfigDict(
+        dict(text_field="text", train_split="train", val_split="",
+             val_fraction=float(data.get("val_fraction", 0.05))))
+    splits = splits_of_builder(builder, local, network_check=lambda: True)
+    identity = {**splits.identity, "files": key, "num_files": len(files)}
+    return dataclasses.replace(splits, identity=identity)
+
+
+def open_source(data: ml_collections.ConfigDict, cache_dir: str) -> Splits:
+    """The documents `data.source` names."""
+    source = str(data.get("source", "stdlib"))
+    if source == "stdlib":
+        splits = open_local(*text_builder.list_stdlib_files(), data, cache_dir)
+    elif source.startswith("text:"):
+        splits = open_local(*text_builder.list_text_files(source[len("text:"):]), data, cache_dir)
+    elif source.startswith("tfds:"):
+        splits = open_tfds(source[len("tfds:"):], data)
+    else:
+        raise DataError(f"data.source={source!r} is not 'tfds:NAME[/CONFIG]', "
+                        f"'text:PATH_OR_GLOB' or 'stdlib'")
+    return dataclasses.replace(splits, identity={"source": source, **splits.identity})

@@ -1,0 +1,130 @@
+"""Local text files as a TFDS dataset, so a user's corpus takes the same door as
+a registered one (`tfds.data_source`-style random access over array_record).
+
+`list_text_files` and `list_stdlib_files` choose the files; `LocalTextFiles`
+stores each file's raw bytes as one document, in the listed order.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sysconfig
+from typing import Sequence
+
+import tensorflow_datasets as tfds
+
+from andrea_jax.data import DataError
+
+# What a directory source reads; a glob reads whatever it matches.
+TEXT_SUFFIXES = frozenset(
+    ".txt .md .rst .tex .py .pyi .c .h .cc .cpp .hpp .cu .java .kt .scala .js .ts .go "
+    ".rs .rb .jl .lua .sh .sql .html .css .json .yaml .yml .toml".split())
+# Directories that hold tests or installed packages, not the standard library.
+STDLIB_SKIPPED_DIRS = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+_SNIFF_BYTES = 8192
+
+
+def _is_text_file(path: str) -> bool:
+    """Readable, non-empty, and no NUL byte near the start (binary files have them)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES)
+    except OSError:
+        return False
+    return bool(head) and b"\0" not in head
+
+
+def _keep_text_files(paths: Sequence[str], described: str) -> list[str]:
+    if not paths:
+        raise DataError(f"{described} matches no files; point data.source at .txt/.md/code files")
+    readable = [p for p in paths if _is_text_file(p)]
+    if readable:
+        return readable
+    if all(os.path.isfile(p) and os.path.getsize(p) == 0 for p in paths):
+        raise DataError(f"{described} is an empty corpus ({len(paths)} empty files); add text to it")
+    raise DataError(f"{described} has no readable text ({len(paths)} files are binary or unreadable); "
+                    f"point data.source at text files")
+
+
+def list_text_files(path_or_glob: str) -> tuple[str, list[str]]:
+    """(root, sorted text files) of a file, a directory (walked) or a glob."""
+    path = os.path.abspath(os.path.expanduser(path_or_glob))
+    if os.path.isfile(path):
+        return os.path.dirname(path), _keep_text_files([path], path_or_glob)
+    if os.path.isdir(path):
+        found = []
+        for directory, subdirectories, names in os.walk(path):
+            subdirectories[:] = sorted(d for d in subdirectories if not d.startswith("."))
+            found += [os.path.join(directory, n) for n in names
+                      if os.path.splitext(n)[1].lower() in TEXT_SUFFIXES]
+        return path, _keep_text_files(sorted(found), f"directory {path_or_glob!r}")
+    matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+    root = os.path.commonpath(matches) if matches else path
+    root = os.path.dirname(root) if os.path.isfile(root) else root
+    return root, _keep_text_files(matches, f"text source {path_or_glob!r}")
+
+
+def list_stdlib_files() -> tuple[str, list[str]]:
+    """(root, sorted .py files) of this Python's standard library, without its tests."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for directory, subdirectories, names in os.walk(root):
+        relative = os.path.relpath(directory, root).replace(os.sep, "/")
+        subdirectories[:] = sorted(
+            d for d in subdirectories
+            if d not in STDLIB_SKIPPED_DIRS and not d.startswith(".")
+            and not (relative == "lib2to3" and d == "tests"))
+        found += [os.path.join(directory, n) for n in names if n.endswith(".py")]
+    return root, _keep_text_files(sorted(found), f"standard library {root!r}")
+
+
+def fingerprint(root: str, files: Sequence[str]) -> str:
+    """Identity of a file set: names, sizes and modification times (cheap, no reads)."""
+    digest = hashlib.sha256()
+    for path in files:
+        status = os.stat(path)
+        digest.update(f"{os.path.relpath(path, root)}\t{status.st_size}\t{status.st_mtime_ns}\n"
+                      .encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()[:20]
+
+
+class LocalTextFiles(tfds.core.GeneratorBasedBuilder):
+    """One document per file: its raw bytes (decoded later, losslessly) and its path."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def __init__(self, *, files: Sequence[str], root: str, **kwargs) -> None:
+        self._files = list(files)
+        self._root = root
+        super().__init__(**kwargs)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        # A builder outside a TFDS package must build its info this way.
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Local text files, one document per file, in sorted path order.",
+            features=tfds.features.FeaturesDict(
+                {"text": tfds.features.Text(), "path": tfds.features.Text()}),
+            disable_shuffling=True)  # keep the sorted order: splits depend on it
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # the files are local
+        return {"train": self._generate_examples()}
+
+    def _generate_examples(self):
+        for index, path in enumerate(self._files):
+            with open(path, "rb") as f:
+                raw = f.read()
+            relative = os.path.relpath(path, self._root)
+            yield index, {"text": raw, "path": relative.encode("utf-8", "surrogateescape")}
+
+
+def prepare_local_dataset(root: str, files: Sequence[str], data_dir: str) -> LocalTextFiles:
+    """The prepared builder for these files (built once; reused while they are unchanged)."""
+    builder = LocalTextFiles(files=files, root=root, data_dir=data_dir, file_format="array_record")
+    if not builder.is_prepared():
+        builder.download_and_prepare(file_format="array_record")
+    return builder

@@ -1,0 +1,134 @@
+import time
+
+import ml_collections
+import pytest
+import tensorflow_datasets as tfds
+
+from andrea_jax.config import base_config
+from andrea_jax.data import DataError, sources
+
+TRAIN_DOCS = [f"train document {i}" for i in range(120)]
+VAL_DOCS = ["validation one", "validation two"]
+
+
+class TwoSplitTexts(tfds.core.GeneratorBasedBuilder):
+    """A dataset with its own validation split and a text field named 'content'."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+        return tfds.core.DatasetInfo(
+            builder=self, features=tfds.features.FeaturesDict({"content": tfds.features.Text()}),
+            disable_shuffling=True)
+
+    def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples(TRAIN_DOCS),
+                "validation": self._generate_examples(VAL_DOCS)}
+
+    def _generate_examples(self, docs):
+        for i, doc in enumerate(docs):
+            yield i, {"content": doc}
+
+
+# The test builder downloads nothing, so "online" costs nothing here.
+def data_config(tmp_path, **overrides) -> ml_collections.ConfigDict:
+    data = base_config().data
+    data.cache_dir = str(tmp_path / "cache")
+    data.tfds_data_dir = str(tmp_path / "tfds")
+    data.update(overrides)
+    return data
+
+
+def read_all(documents):
+    return documents.read(0, len(documents))
+
+
+def test_dataset_with_its_own_validation_split(tmp_path):
+    builder = TwoSplitTexts(data_dir=str(tmp_path / "tfds"), file_format="array_record")
+    data = data_config(tmp_path, text_field="content")
+    splits = sources.splits_of_builder(builder, data, network_check=lambda: True)
+    assert read_all(splits.train) == TRAIN_DOCS
+    assert read_all(splits.val) == VAL_DOCS
+    assert splits.identity["val_rule"] == "split validation"
+
+
+def test_dataset_without_the_validation_split_holds_out_every_kth_document(tmp_path):
+    builder = TwoSplitTexts(data_dir=str(tmp_path / "tfds"), file_format="array_record")
+    data = data_config(tmp_path, text_field="content", val_split="test", val_fraction=0.1)
+    splits = sources.splits_of_builder(builder, data, network_check=lambda: True)
+    assert read_all(splits.val) == TRAIN_DOCS[9::10]
+    assert read_all(splits.train) == [d for i, d in enumerate(TRAIN_DOCS) if i % 10 != 9]
+    assert splits.identity["val_rule"] == "every 10th document"
+
+
+def test_missing_field_and_split_name_the_fix(tmp_path):
+    builder = TwoSplitTexts(data_dir=str(tmp_path / "tfds"), file_format="array_record")
+    with pytest.raises(DataError, match=r"no field 'text'; set data.text_field to one of \['content'\]"):
+        sources.splits_of_builder(builder, data_config(tmp_path), network_check=lambda: True)
+    with pytest.raises(DataError, match="no split 'training'"):
+        sources.splits_of_builder(builder, data_config(tmp_path, text_field="content",
+                                                       train_split="training"),
+                                  network_check=lambda: True)
+
+
+def test_unprepared_dataset_offline_fails_in_seconds(tmp_path):
+    builder = TwoSplitTexts(data_dir=str(tmp_path / "empty"), file_format="array_record")
+    started = time.perf_counter()
+    with pytest.raises(DataError, match="not prepared .* no network"):
+        sources.splits_of_builder(builder, data_config(tmp_path, text_field="content"),
+                                  network_check=lambda: False)
+    assert time.perf_counter() - started < 5
+    assert not builder.is_prepared()
+
+
+def test_network_probe_answers_quickly():
+    started = time.perf_counter()
+    assert isinstance(sources.network_available(timeout_s=1.0), bool)
+    assert time.perf_counter() - started < 3
+
+
+def test_unknown_tfds_name_and_bad_source_string(tmp_path):
+    with pytest.raises(DataError, match="TFDS has no dataset 'no_such_dataset_xyz'"):
+        sources.open_tfds("no_such_dataset_xyz", data_config(tmp_path))
+    with pytest.raises(DataError, match="is not 'tfds:NAME"):
+        sources.open_source(data_config(tmp_path, source="hf:thing"), str(tmp_path / "cache"))
+
+
+def test_local_directory_splits_by_document(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"doc{i:02d}.txt").write_text(f"text of document {i}\n")
+    data = data_config(tmp_path, source=f"text:{corpus}", val_fraction=0.25)
+    splits = sources.open_source(data, str(tmp_path / "cache"))
+    assert len(splits.train) == 30 and len(splits.val) == 10
+    assert read_all(splits.val) == [f"text of document {i}\n" for i in range(3, 40, 4)]
+    assert splits.identity["source"] == f"text:{corpus}" and splits.identity["num_files"] == 40
+
+
+def test_single_file_holds_out_the_last_fraction_of_its_text(tmp_path):
+    text = "".join(f"line {i} é\n" for i in range(1000))
+    (tmp_path / "one.txt").write_text(text)
+    data = data_config(tmp_path, source=f"text:{tmp_path / 'one.txt'}", val_fraction=0.1)
+    splits = sources.open_source(data, str(tmp_path / "cache"))
+    cut = int(len(text) * 0.9)  # nanoGPT's split of shakespeare_char
+    assert read_all(splits.train) == [text[:cut]]
+    assert read_all(splits.val) == [text[cut:]]
+
+
+def test_few_documents_split_by_text_across_document_boundaries():
+    documents = sources.ListDocuments(["aaaa", "bbbb", "cccc", "dddd", "eeee"])
+    train, val, rule = sources.hold_out(documents, 0.3)
+    assert read_all(train) == ["aaaa", "bbbb", "cccc", "dd"]  # 70% of 20 characters
+    assert read_all(val) == ["dd", "eeee"]
+    assert rule.startswith("last 0.3")
+    with pytest.raises(DataError, match="val_fraction=0.0"):
+        sources.hold_out(documents, 0.0)
+
+
+def test_undecodable_bytes_reach_the_documents_as_escapes(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n" * 50)
+    data = data_config(tmp_path, source=f"text:{tmp_path / 'latin1.txt'}", val_fraction=0.1)
+    splits = sources.open_source(data, str(tmp_path / "cache"))
+    joined = "".join(read_all(splits.train) + read_all(splits.val))
+    assert joined.encode("utf-8", "surrogateescape") == b"caf\xe9\n" * 50
