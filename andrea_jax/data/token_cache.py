@@ -1,0 +1,177 @@
+"""Documents encoded once into a flat uint16 token file per split + a JSON manifest.
+
+Layout: `<cache_dir>/tokens/<key>/<split>.bin` and `<split>.json`, where the key
+hashes the source identity, the tokenizer and the format, so a changed source
+or tokenizer gets a new cache. The token file is renamed into place before the
+manifest is written, so a killed build never leaves a cache that looks complete;
+a cache whose size disagrees with its manifest is rebuilt.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import time
+
+import numpy as np
+import tqdm
+
+from andrea_jax.data import DataError
+from andrea_jax.data.sources import Documents
+from andrea_jax.data.tokenizer import Tokenizer, utf8_bytes
+
+FORMAT_VERSION = 1
+TOKEN_DTYPE = np.uint16
+_TARGET_BATCH_BYTES = 4 << 20  # documents per encode call: about this much text
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSplit:
+    tokens: np.ndarray  # uint16, read-only memmap; documents end with end-of-text
+    num_tokens: int
+    num_bytes: int  # UTF-8 bytes of the split's text, for bits per byte
+    manifest: dict
+    path: str
+
+
+def cache_key(identity: dict, tokenizer_sha256: str) -> str:
+    content = json.dumps({"identity": identity, "tokenizer": tokenizer_sha256,
+                          "format": FORMAT_VERSION}, sort_keys=True)
+    return hashlib.sha256(content.encode("utf-8")).hexdigest()[:20]
+
+
+def cache_directory(cache_dir: str, identity: dict, tokenizer_sha256: str) -> str:
+    return os.path.join(cache_dir, "tokens", cache_key(identity, tokenizer_sha256))
+
+
+def _paths(directory: str, split: str) -> tuple[str, str]:
+    return os.path.join(directory, f"{split}.bin"), os.path.join(directory, f"{split}.json")
+
+
+def _write_atomically(path: str, content: bytes) -> None:
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "wb") as f:
+        f.write(content)
+    os.replace(temporary, path)
+
+
+def load(directory: str, split: str, tokenizer_sha256: str) -> tuple[TokenSplit | None, str]:
+    """(the cached split, "") or (None, why it cannot be used; "" when there is none)."""
+    tokens_path, manifest_path = _paths(directory, split)
+    if not os.path.exists(manifest_path):
+        return None, ""
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        num_tokens = int(manifest["num_tokens"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return None, f"unreadable manifest ({error})"
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return None, f"format version {manifest.get('format_version')}, expected {FORMAT_VERSION}"
+    if manifest.get("tokenizer_sha256") != tokenizer_sha256:
+        return None, "made by another tokenizer"
+    expected = num_tokens * np.dtype(TOKEN_DTYPE).itemsize
+    size = os.path.getsize(tokens_path) if os.path.exists(tokens_path) else -1
+    if size != expected or num_tokens < 1:
+        return None, f"token file has {size} bytes, manifest says {expected}"
+    tokens = np.memmap(tokens_path, dtype=TOKEN_DTYPE, mode="r", shape=(num_tokens,))
+    return TokenSplit(tokens, num_tokens, int(manifest["num_bytes"]), manifest, tokens_path), ""
+
+
+def _encode_with_separators(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
+    pieces = []
+    end_of_text = np.array([tokenizer.eot_id], np.int32)
+    for ids in tokenizer.encode_arrays(texts):
+        pieces += [ids, end_of_text]
+    ids = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+    if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+        bad = int(ids.max() if ids.max() >= tokenizer.vocab_size else ids.min())
+        raise DataError(f"the tokenizer produced id {bad}, outside its vocabulary of "
+                        f"{tokenizer.vocab_size}; its tokenizer.json is inconsistent, use another")
+    return ids.astype(TOKEN_DTYPE)
+
+
+def _encode_into(out, documents: Documents, tokenizer: Tokenizer, split: str,
+                 progress: bool) -> tuple[int, int]:
+    """Writes the split's tokens to `out`; returns (tokens, UTF-8 bytes) written."""
+    num_documents, num_tokens, num_bytes, position = len(documents), 0, 0, 0
+    batch_size, started = 16, time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(1) as reader, \
+            tqdm.tqdm(total=num_documents, unit="doc", disable=not progress,
+                      desc=f"tokenizing {split}") as bar:
+        # Read the next batch while this one is encoded (HF encodes in parallel).
+        stop = min(batch_size, num_documents)
+        pending = reader.submit(documents.read, 0, stop)
+        while position < num_documents:
+            texts = [t for t in pending.result() if t]
+            read, position = stop - position, stop
+            if position < num_documents:
+                stop = min(position + batch_size, num_documents)
+                pending = reader.submit(documents.read, position, stop)
+            ids = _encode_with_separators(tokenizer, texts)
+            out.write(ids.tobytes())
+            num_tokens += ids.size
+            num_bytes += sum(len(utf8_bytes(t)) for t in texts)
+            # About _TARGET_BATCH_BYTES of text per call, whatever the document size.
+            batch_size = int(np.clip(_TARGET_BATCH_BYTES * position / max(num_bytes, 1), 16, 65536))
+            seconds = max(time.perf_counter() - started, 1e-9)
+            bar.update(read)
+            bar.set_postfix_str(f"{num_bytes / seconds / 1e6:.1f} MB/s, "
+                                f"{num_tokens / seconds / 1e6:.2f} Mtok/s")
+    return num_tokens, num_bytes
+
+
+def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str,
+          identity: dict, progress: bool = True) -> TokenSplit:
+    """Encodes every non-empty document, end-of-text after each, into the cache."""
+    if tokenizer.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
+        raise DataError(f"a vocabulary of {tokenizer.vocab_size} does not fit the uint16 token "
+                        f"cache (at most 65536); use a smaller tokenizer")
+    os.makedirs(directory, exist_ok=True)
+    tokens_path, manifest_path = _paths(directory, split)
+    for stale in glob.glob(f"{glob.escape(tokens_path)}.tmp*"):  # from killed builds
+        os.remove(stale)
+    if os.path.exists(manifest_path):
+        os.remove(manifest_path)  # the old cache stops looking complete first
+    started = time.perf_counter()
+    temporary = f"{tokens_path}.tmp{os.getpid()}"
+    try:
+        with open(temporary, "wb") as out:
+            num_tokens, num_bytes = _encode_into(out, documents, tokenizer, split, progress)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:  # a failed build leaves nothing behind
+        os.remove(temporary)
+        raise
+    if num_tokens == 0:
+        os.remove(temporary)
+        raise DataError(f"the {split} split has no text (0 tokens); add text to the source "
+                        f"or change data.val_fraction")
+    os.replace(temporary, tokens_path)
+    manifest = {
+        "format_version": FORMAT_VERSION, "split": split, "source": identity,
+        "tokenizer_sha256": tokenizer.sha256, "tokenizer_kind": tokenizer.kind,
+        "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+        "dtype": np.dtype(TOKEN_DTYPE).name, "num_tokens": num_tokens, "num_bytes": num_bytes,
+        "num_documents": len(documents), "build_seconds": round(time.perf_counter() - started, 3),
+    }
+    _write_atomically(manifest_path, json.dumps(manifest, indent=1).encode("utf-8"))
+    cached, problem = load(directory, split, tokenizer.sha256)
+    if cached is None:
+        raise DataError(f"token cache {tokens_path} failed its check right after writing "
+                        f"({problem}); check the disk and free space")
+    return cached
+
+
+def load_or_build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str,
+                  identity: dict, progress: bool = True) -> TokenSplit:
+    cached, problem = load(directory, split, tokenizer.sha256)
+    if cached is not None:
+        return cached
+    if problem:
+        print(f"token cache {_paths(directory, split)[0]} is unusable ({problem}); rebuilding")
+    return build(documents, tokenizer, directory, split, identity, progress)

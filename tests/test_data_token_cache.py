@@ -1,0 +1,136 @@
+import json
+import os
+
+import numpy as np
+import pytest
+
+from andrea_jax.data import DataError, token_cache
+from andrea_jax.data.sources import ListDocuments
+from andrea_jax.data.tokenizer import ByteTokenizer, CharTokenizer
+
+DOCS = ["first doc é", "", "second 😀", "caf\udce9 escaped"]
+IDENTITY = {"source": "test", "split_rule": "none"}
+
+
+def build(tmp_path, documents=DOCS, tokenizer=None, split="train"):
+    tokenizer = tokenizer or ByteTokenizer()
+    directory = token_cache.cache_directory(str(tmp_path), IDENTITY, tokenizer.sha256)
+    return directory, token_cache.build(ListDocuments(documents), tokenizer, directory, split,
+                                        IDENTITY, progress=False)
+
+
+def test_documents_are_encoded_with_end_of_text_after_each(tmp_path):
+    directory, split = build(tmp_path)
+    expected = []
+    for doc in DOCS:
+        if doc:  # empty documents add nothing
+            expected += list(doc.encode("utf-8", "surrogateescape")) + [256]
+    assert split.tokens.dtype == np.uint16
+    assert split.tokens.tolist() == expected
+    assert split.num_tokens == len(expected)
+    assert split.num_bytes == sum(len(d.encode("utf-8", "surrogateescape")) for d in DOCS)
+    manifest = split.manifest
+    assert (manifest["format_version"], manifest["source"], manifest["vocab_size"]) == (1, IDENTITY, 257)
+    assert manifest["tokenizer_sha256"] == ByteTokenizer().sha256
+    assert sorted(os.listdir(directory)) == ["train.bin", "train.json"]
+
+
+def test_many_batches_match_one_encoding(tmp_path):
+    documents = [f"document number {i} " * (i % 7 + 1) for i in range(3000)]
+    _, split = build(tmp_path, documents)
+    tokenizer = ByteTokenizer()
+    expected = np.concatenate([np.append(ids, 256) for ids in tokenizer.encode_arrays(documents)])
+    np.testing.assert_array_equal(split.tokens, expected)
+
+
+def test_reload_reuses_the_cache(tmp_path):
+    directory, built = build(tmp_path)
+    modified = os.path.getmtime(built.path)
+    loaded = token_cache.load_or_build(ListDocuments(["would be different"]), ByteTokenizer(),
+                                       directory, "train", IDENTITY, progress=False)
+    np.testing.assert_array_equal(loaded.tokens, built.tokens)
+    assert os.path.getmtime(loaded.path) == modified
+
+
+def test_changed_source_or_tokenizer_gets_another_directory():
+    byte = ByteTokenizer().sha256
+    char = CharTokenizer("abc").sha256
+    key = token_cache.cache_key(IDENTITY, byte)
+    assert key == token_cache.cache_key(dict(IDENTITY), byte)
+    assert key != token_cache.cache_key(IDENTITY, char)
+    assert key != token_cache.cache_key({**IDENTITY, "source": "other"}, byte)
+
+
+def test_truncated_cache_is_detected_and_rebuilt(tmp_path, capsys):
+    directory, built = build(tmp_path)
+    expected = built.tokens.tolist()
+    with open(built.path, "r+b") as f:
+        f.truncate(6)
+    cached, problem = token_cache.load(directory, "train", ByteTokenizer().sha256)
+    assert cached is None and "token file has 6 bytes" in problem
+    rebuilt = token_cache.load_or_build(ListDocuments(DOCS), ByteTokenizer(), directory, "train",
+                                        IDENTITY, progress=False)
+    assert rebuilt.tokens.tolist() == expected
+    assert "unusable (token file has 6 bytes" in capsys.readouterr().out
+
+
+def test_corrupt_manifest_is_detected(tmp_path):
+    directory, _ = build(tmp_path)
+    with open(os.path.join(directory, "train.json"), "w") as f:
+        f.write('{"num_tokens": ')
+    cached, problem = token_cache.load(directory, "train", ByteTokenizer().sha256)
+    assert cached is None and problem.startswith("unreadable manifest")
+
+
+def test_killed_build_leaves_no_complete_looking_cache(tmp_path):
+    directory = str(tmp_path / "cache")
+    os.makedirs(directory)
+    # What a build killed mid-write leaves: a temporary token file, no manifest.
+    with open(os.path.join(directory, "train.bin.tmp12345"), "wb") as f:
+        f.write(np.arange(10, dtype=np.uint16).tobytes())
+    assert token_cache.load(directory, "train", ByteTokenizer().sha256) == (None, "")
+    split = token_cache.build(ListDocuments(DOCS), ByteTokenizer(), directory, "train",
+                              IDENTITY, progress=False)
+    assert split.num_tokens > 10
+    assert sorted(os.listdir(directory)) == ["train.bin", "train.json"]
+
+
+def test_cache_of_another_tokenizer_is_not_used(tmp_path):
+    directory, _ = build(tmp_path)
+    cached, problem = token_cache.load(directory, "train", CharTokenizer("ab").sha256)
+    assert cached is None and problem == "made by another tokenizer"
+
+
+class HugeVocabulary(ByteTokenizer):
+    vocab_size = 70_000
+
+
+class OutOfRangeIds(ByteTokenizer):
+    def encode_arrays(self, texts):
+        return [np.array([1, 2, 300], np.int32) for _ in texts]
+
+
+def test_vocabulary_beyond_uint16_is_refused(tmp_path):
+    with pytest.raises(DataError, match="does not fit the uint16"):
+        build(tmp_path, tokenizer=HugeVocabulary())
+
+
+def test_ids_beyond_the_vocabulary_are_refused(tmp_path):
+    with pytest.raises(DataError, match="produced id 300, outside its vocabulary of 257"):
+        build(tmp_path, tokenizer=OutOfRangeIds())
+    # Nothing is left behind: no manifest and no temporary token file.
+    assert os.listdir(token_cache.cache_directory(str(tmp_path), IDENTITY, OutOfRangeIds().sha256)) == []
+
+
+def test_empty_split_is_refused(tmp_path):
+    with pytest.raises(DataError, match="no text"):
+        build(tmp_path, documents=["", ""], split="val")
+
+
+def test_manifest_is_json_with_counts(tmp_path):
+    directory, split = build(tmp_path)
+    with open(os.path.join(directory, "train.json")) as f:
+        manifest = json.load(f)
+    assert manifest["num_tokens"] == split.num_tokens
+    assert manifest["num_documents"] == len(DOCS)
+    assert manifest["dtype"] == "uint16"
