@@ -1,0 +1,132 @@
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from andrea_jax.data import DataError, batcher
+
+# Token i has value i % 65536, so a window's position in the stream is visible.
+TOKENS = np.arange(100_000, dtype=np.int64).astype(np.uint16)
+
+
+def batch_sharding():
+    mesh = jax.make_mesh((jax.device_count(),), ("data",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    return NamedSharding(mesh, PartitionSpec("data"))
+
+
+def test_train_batch_rows_are_contiguous_windows():
+    batch = batcher.train_batch(TOKENS, seed=3, step=7, batch_size=16, seq_len=64)
+    assert batch.shape == (16, 65) and batch.dtype == np.int32
+    for row in batch:
+        np.testing.assert_array_equal(row, TOKENS[row[0]:row[0] + 65])
+    assert len({int(row[0]) for row in batch}) > 1
+
+
+def test_batch_is_a_pure_function_of_seed_and_step():
+    def batch(seed, step):
+        return batcher.train_batch(TOKENS, seed=seed, step=step, batch_size=8, seq_len=32)
+
+    uninterrupted = [batch(0, step) for step in range(20)]
+    resumed_at_13 = [batch(0, step) for step in range(13, 20)]
+    for step, resumed in zip(range(13, 20), resumed_at_13):
+        np.testing.assert_array_equal(resumed, uninterrupted[step])
+    assert not np.array_equal(uninterrupted[0], uninterrupted[1])  # no replay
+    assert not np.array_equal(batch(1, 0), uninterrupted[0])
+
+
+def test_two_processes_build_the_halves_of_the_single_process_batch():
+    kwargs = dict(seed=5, step=11, batch_size=8, seq_len=16)
+    whole = batcher.train_batch(TOKENS, **kwargs)
+    halves = [batcher.train_batch(TOKENS, process_index=i, process_count=2, **kwargs)
+              for i in range(2)]
+    assert halves[0].shape == (4, 17)
+    np.testing.assert_array_equal(np.concatenate(halves), whole)
+    val_whole = batcher.val_batch(TOKENS, index=2, batch_size=8, seq_len=16)
+    val_halves = [batcher.val_batch(TOKENS, index=2, batch_size=8, seq_len=16, process_index=i,
+                                    process_count=2) for i in range(2)]
+    np.testing.assert_array_equal(np.concatenate(val_halves), val_whole)
+
+
+def test_validation_batches_are_sequential_and_fixed():
+    seq_len, batch_size = 100, 4
+    count = batcher.num_val_batches(len(TOKENS), batch_size, seq_len)
+    assert count == (100_000 - 1) // 100 // 4 == 249
+    first = batcher.val_batch(TOKENS, index=0, batch_size=batch_size, seq_len=seq_len)
+    np.testing.assert_array_equal(first[:, 0], [0, 100, 200, 300])
+    last = batcher.val_batch(TOKENS, index=count - 1, batch_size=batch_size, seq_len=seq_len)
+    assert int(last[-1, -1]) == (count * batch_size * seq_len) % 65536
+    with pytest.raises(DataError, match="validation batch 249 does not exist"):
+        batcher.val_batch(TOKENS, index=count, batch_size=batch_size, seq_len=seq_len)
+    assert batcher.num_val_batches(400, 4, 100) == 0
+
+
+def test_bad_shapes_name_the_fix():
+    with pytest.raises(DataError, match="fewer than seq_len \\+ 1 = 65"):
+        batcher.train_batch(TOKENS[:64], seed=0, step=0, batch_size=2, seq_len=64)
+    with pytest.raises(DataError, match="make batch_size a multiple of 3"):
+        batcher.train_batch(TOKENS, seed=0, step=0, batch_size=8, seq_len=8, process_count=3)
+
+
+def test_short_stream_uses_its_only_window():
+    batch = batcher.train_batch(TOKENS[:9], seed=0, step=0, batch_size=3, seq_len=8)
+    np.testing.assert_array_equal(batch, np.tile(np.arange(9), (3, 1)))
+
+
+def test_to_global_places_the_batch_on_all_devices():
+    local = batcher.train_batch(TOKENS, seed=0, step=0, batch_size=2 * jax.device_count(), seq_len=8)
+    sharding = batch_sharding()
+    array = batcher.to_global(local, sharding)
+    assert isinstance(array, jax.Array) and array.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(array), local)
+
+
+def test_prefetcher_yields_the_batches_of_consecutive_steps():
+    sharding = batch_sharding()
+    size = 2 * jax.device_count()
+
+    def make_batch(step):
+        return batcher.train_batch(TOKENS, seed=1, step=step, batch_size=size, seq_len=16)
+
+    with batcher.Prefetcher(make_batch, start_step=40, sharding=sharding) as prefetcher:
+        for expected_step in range(40, 46):
+            step, array = next(prefetcher)
+            assert step == expected_step
+            np.testing.assert_array_equal(np.asarray(array), make_batch(step))
+
+
+def test_prefetcher_raises_the_error_of_make_batch_and_closes():
+    def make_batch(step):
+        if step == 2:
+            raise DataError("bad step")
+        return np.zeros((jax.device_count(), 4), np.int32)
+
+    prefetcher = batcher.Prefetcher(make_batch, 0, batch_sharding(), depth=1)
+    assert next(prefetcher)[0] == 0
+    assert next(prefetcher)[0] == 1
+    with pytest.raises(DataError, match="bad step"):
+        next(prefetcher)
+    prefetcher.close()
+    assert not any(t.name == "batch-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_prefetcher_close_stops_a_full_queue():
+    prefetcher = batcher.Prefetcher(lambda step: np.zeros((jax.device_count(), 4), np.int32), 0,
+                                    batch_sharding(), depth=2)
+    time.sleep(0.2)  # let it fill the queue and block
+    prefetcher.close()
+    with pytest.raises(StopIteration):
+        next(prefetcher)
+
+
+def test_batcher_delivers_far_more_than_a_million_tokens_per_second():
+    tokens = np.random.default_rng(0).integers(0, 8449, 5_000_000).astype(np.uint16)
+    batcher.train_batch(tokens, seed=0, step=0, batch_size=32, seq_len=1024)
+    started = time.perf_counter()
+    for step in range(20):
+        batcher.train_batch(tokens, seed=0, step=step, batch_size=32, seq_len=1024)
+    tokens_per_second = 20 * 32 * 1024 / (time.perf_counter() - started)
+    assert tokens_per_second > 10e6
