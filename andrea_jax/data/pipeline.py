@@ -1,0 +1,180 @@
+"""`prepare`: config -> tokenizer (in the workdir) + train and validation token caches.
+
+The leading process opens the source, trains or loads the tokenizer and builds
+the caches; the others wait at `barrier` and then read what it wrote (so the
+workdir and `data.cache_dir` must be on a filesystem all processes share).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable
+
+import ml_collections
+
+from andrea_jax.data import DataError, batcher, sources, token_cache
+from andrea_jax.data import tokenizer as tokenizers
+from andrea_jax.data.sources import Documents
+from andrea_jax.data.token_cache import TokenSplit
+from andrea_jax.data.tokenizer import Tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+RECORD_FILE = "data.json"  # where the leader put the caches, for the other processes
+_SAMPLE_CHUNKS = 64  # the BPE sample is spread over this many stretches of the split
+_READ_DOCUMENTS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    tokenizer: Tokenizer
+    train: TokenSplit
+    val: TokenSplit
+
+
+def cache_dir_of(data: ml_collections.ConfigDict) -> str:
+    return os.path.expanduser(data.get("cache_dir", "") or "~/.cache/andrea_jax")
+
+
+def training_sample(documents: Documents, max_bytes: int) -> list[str]:
+    """About max_bytes of text from evenly spaced stretches of the documents.
+
+    A sample from the start alone would over-represent whatever sorts first.
+    """
+    total = len(documents)
+    chunks = max(1, min(_SAMPLE_CHUNKS, total))
+    per_chunk = max(1, max_bytes // chunks)
+    sample = []
+    for chunk in range(chunks):
+        position, stop, taken = chunk * total // chunks, (chunk + 1) * total // chunks, 0
+        while position < stop and taken < per_chunk:
+            texts = documents.read(position, min(stop, position + _READ_DOCUMENTS))
+            for text in texts:
+                if taken >= per_chunk:
+                    break
+                sample.append(text[:per_chunk - taken])
+                taken += len(sample[-1])
+            position += len(texts)
+    return sample
+
+
+def _all_texts(documents: Documents):
+    for position in range(0, len(documents), _READ_DOCUMENTS):
+        yield from documents.read(position, position + _READ_DOCUMENTS)
+
+
+def _check_vocab(tokenizer: Tokenizer, config: ml_collections.ConfigDict, described: str) -> None:
+    wanted = int(config.model.get("vocab_size", 0))
+    if wanted and tokenizer.vocab_size != wanted:
+        raise DataError(
+            f"{described} has {tokenizer.vocab_size} entries but model.vocab_size={wanted}; "
+            f"set model.vocab_size={tokenizer.vocab_size} (or 0 to take the tokenizer's size)")
+
+
+def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Tokenizer:
+    kind = str(config.data.get("tokenizer", "bpe"))
+    if kind == "byte":
+        return tokenizers.ByteTokenizer()
+    if kind == "char":
+        return tokenizers.build_char(_all_texts(train))
+    if kind == "bpe":
+        wanted = int(config.model.get("vocab_size", 0))
+        # 256 byte tokens + merges + end-of-text: the model's size fixes the merges.
+        merges = wanted - 257 if wanted > 257 else tokenizers.BPE_MERGES
+        sample = training_sample(train, int(config.data.get("tokenizer_train_bytes", 64_000_000)))
+        return tokenizers.train_bpe(sample, merges)
+    if not os.path.isfile(kind):
+        raise DataError(f"data.tokenizer={kind!r} is not 'bpe', 'byte', 'char' or an existing "
+                        f"tokenizer.json file")
+    return tokenizers.load(kind)
+
+
+def _check_resumed_tokenizer(saved: Tokenizer, requested: str, path: str) -> None:
+    if requested in ("bpe", "byte", "char"):
+        if saved.kind != requested:
+            raise DataError(f"{path} is a {saved.kind} tokenizer but data.tokenizer={requested!r}; "
+                            f"set data.tokenizer={saved.kind!r} or use a new workdir")
+    elif os.path.isfile(requested) and tokenizers.load(requested).sha256 != saved.sha256:
+        raise DataError(f"{path} differs from data.tokenizer={requested!r}; "
+                        f"use a new workdir or point data.tokenizer at {path}")
+
+
+def tokenizer_for_run(config: ml_collections.ConfigDict, workdir: str, train: Documents) -> Tokenizer:
+    """The workdir's tokenizer.json if it has one (never retrained), else a new one saved there."""
+    path = os.path.join(workdir, TOKENIZER_FILE)
+    if os.path.exists(path):
+        tokenizer = tokenizers.load(path)
+        _check_resumed_tokenizer(tokenizer, str(config.data.get("tokenizer", "bpe")), path)
+        _check_vocab(tokenizer, config, path)
+        return tokenizer
+    tokenizer = _new_tokenizer(config, train)
+    _check_vocab(tokenizer, config, f"the new {tokenizer.kind} tokenizer")
+    os.makedirs(workdir, exist_ok=True)
+    tokenizer.save(path)
+    return tokenizer
+
+
+def _check_sizes(config: ml_collections.ConfigDict, train: TokenSplit, val: TokenSplit) -> None:
+    seq_len, batch_size = int(config.seq_len), int(config.batch_size)
+    if train.num_tokens < seq_len + 1:
+        raise DataError(f"the training split has {train.num_tokens} tokens, fewer than seq_len + 1 "
+                        f"= {seq_len + 1}; add text or lower seq_len")
+    if batcher.num_val_batches(val.num_tokens, batch_size, seq_len) < 1:
+        raise DataError(
+            f"the validation split has {val.num_tokens} tokens, less than one batch of "
+            f"batch_size x seq_len = {batch_size * seq_len} (+1); raise data.val_fraction, "
+            f"add text, or lower batch_size or seq_len")
+
+
+def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
+    cache_dir = cache_dir_of(config.data)
+    os.makedirs(workdir, exist_ok=True)
+    splits = sources.open_source(config.data, cache_dir)
+    tokenizer = tokenizer_for_run(config, workdir, splits.train)
+    directory = token_cache.cache_directory(cache_dir, splits.identity, tokenizer.sha256)
+    train = token_cache.load_or_build(splits.train, tokenizer, directory, "train", splits.identity)
+    val = token_cache.load_or_build(splits.val, tokenizer, directory, "val", splits.identity)
+    _check_sizes(config, train, val)
+    record = {"cache_directory": directory, "tokenizer_sha256": tokenizer.sha256,
+              "source": splits.identity}
+    temporary = os.path.join(workdir, f"{RECORD_FILE}.tmp{os.getpid()}")
+    with open(temporary, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+    os.replace(temporary, os.path.join(workdir, RECORD_FILE))
+    return Prepared(tokenizer, train, val)
+
+
+def _load_prepared(workdir: str) -> Prepared:
+    record_path = os.path.join(workdir, RECORD_FILE)
+    try:
+        with open(record_path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as error:
+        raise DataError(f"cannot read {record_path} ({error}); the leading process must prepare "
+                        f"the data first, in a workdir all processes share") from None
+    tokenizer = tokenizers.load(os.path.join(workdir, TOKENIZER_FILE))
+    loaded = []
+    for split in ("train", "val"):
+        cached, problem = token_cache.load(record["cache_directory"], split, tokenizer.sha256)
+        if cached is None:
+            raise DataError(f"the {split} token cache in {record['cache_directory']} is unusable "
+                            f"({problem or 'missing'}); put data.cache_dir on a filesystem all "
+                            f"processes share")
+        loaded.append(cached)
+    return Prepared(tokenizer, *loaded)
+
+
+def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = True,
+            barrier: Callable[[], None] | None = None) -> Prepared:
+    """Tokenizer and token caches for this config; only the leader writes anything."""
+    if is_leader:
+        prepared = _prepare_as_leader(config, os.fspath(workdir))
+        if barrier is not None:
+            barrier()
+        return prepared
+    if barrier is not None:
+        barrier()
+    prepared = _load_prepared(os.fspath(workdir))
+    _check_vocab(prepared.tokenizer, config, os.path.join(workdir, TOKENIZER_FILE))
+    return prepared

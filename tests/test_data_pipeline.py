@@ -1,0 +1,169 @@
+import json
+import os
+
+import numpy as np
+import pytest
+
+from andrea_jax.config import base_config
+from andrea_jax.data import DataError, batcher, pipeline
+from andrea_jax.data import tokenizer as tokenizers
+
+SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
+                           "tinyshakespeare.txt")
+
+
+def make_corpus(directory, num_files=120):
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(num_files):
+        body = "".join(f"def function_{i}_{j}(x):\n    return x * {j} + {i}  # café ✓\n"
+                       for j in range(30))
+        (directory / f"module_{i:03d}.py").write_text(body)
+    (directory / "notes.md").write_bytes(b"# notes\nlatin-1 byte: \xe9\n")
+    return directory
+
+
+def make_config(tmp_path, source, tokenizer="byte", vocab_size=0):
+    config = base_config()
+    config.batch_size, config.seq_len = 4, 32
+    config.model.vocab_size = vocab_size
+    config.data.source = source
+    config.data.tokenizer = tokenizer
+    config.data.cache_dir = str(tmp_path / "cache")
+    config.data.tfds_data_dir = str(tmp_path / "tfds")
+    config.data.val_fraction = 0.1
+    return config
+
+
+def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus")
+    config = make_config(tmp_path, f"text:{corpus}", tokenizer="bpe")
+    config.data.tokenizer_train_bytes = 50_000
+    workdir = tmp_path / "run"
+    first = pipeline.prepare(config, str(workdir))
+
+    tokenizer = first.tokenizer
+    assert tokenizer.kind == "bpe" and 257 < tokenizer.vocab_size <= 8449
+    assert tokenizer.eot_id == tokenizer.vocab_size - 1
+    saved = tokenizers.load(workdir / "tokenizer.json")
+    assert saved.sha256 == tokenizer.sha256
+    # 121 files: every 10th of them is validation.
+    assert first.train.manifest["num_documents"] == 109 and first.val.manifest["num_documents"] == 12
+    total_bytes = sum(os.path.getsize(p) for p in corpus.iterdir())
+    assert first.train.num_bytes + first.val.num_bytes == total_bytes
+    text = tokenizer.decode(first.train.tokens[:200])
+    assert text.startswith("def function_0_0(x):\n")
+
+    # A restart: same tokenizer (not retrained), same caches (not rebuilt), same batches.
+    config.data.tokenizer_train_bytes = 10_000  # would train another tokenizer
+    modified = os.path.getmtime(first.train.path)
+    resumed = pipeline.prepare(config, str(workdir))
+    assert resumed.tokenizer.sha256 == tokenizer.sha256
+    assert resumed.train.path == first.train.path
+    assert os.path.getmtime(resumed.train.path) == modified
+    for step in (0, 7, 123):
+        np.testing.assert_array_equal(
+            batcher.train_batch(resumed.train.tokens, seed=0, step=step, batch_size=4, seq_len=32),
+            batcher.train_batch(first.train.tokens, seed=0, step=step, batch_size=4, seq_len=32))
+    with open(workdir / "data.json") as f:
+        assert json.load(f)["tokenizer_sha256"] == tokenizer.sha256
+
+
+def test_stdlib_source_with_byte_tokens(tmp_path):
+    prepared = pipeline.prepare(make_config(tmp_path, "stdlib"), str(tmp_path / "run"))
+    assert prepared.tokenizer.vocab_size == 257
+    train = prepared.train
+    # Byte tokens: one per byte plus one end-of-text per document.
+    assert train.num_tokens == train.num_bytes + train.manifest["num_documents"]
+    assert train.num_bytes > 2_000_000
+    assert prepared.val.manifest["source"]["val_rule"] == "every 10th document"
+    assert train.tokens.max() == 256 and train.tokens.dtype == np.uint16
+
+
+def test_other_processes_read_what_the_leader_wrote(tmp_path):
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus')}")
+    calls = []
+    leader = pipeline.prepare(config, str(tmp_path / "run"), is_leader=True,
+                              barrier=lambda: calls.append("leader"))
+    follower = pipeline.prepare(config, str(tmp_path / "run"), is_leader=False,
+                                barrier=lambda: calls.append("follower"))
+    assert calls == ["leader", "follower"]
+    assert follower.tokenizer.sha256 == leader.tokenizer.sha256
+    np.testing.assert_array_equal(follower.val.tokens, leader.val.tokens)
+    with pytest.raises(DataError, match="the leading process must prepare the data first"):
+        pipeline.prepare(config, str(tmp_path / "other_run"), is_leader=False)
+
+
+def test_vocabulary_size_must_match_the_model(tmp_path):
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus')}", vocab_size=8449)
+    with pytest.raises(DataError, match="has 257 entries but model.vocab_size=8449; "
+                                        "set model.vocab_size=257"):
+        pipeline.prepare(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "tokenizer.json").exists()
+
+
+def test_resuming_with_another_tokenizer_kind_is_refused(tmp_path):
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus')}")
+    pipeline.prepare(config, str(tmp_path / "run"))
+    config.data.tokenizer = "char"
+    with pytest.raises(DataError, match="is a byte tokenizer but data.tokenizer='char'"):
+        pipeline.prepare(config, str(tmp_path / "run"))
+
+
+def test_tokenizer_file_from_the_config_is_copied_into_the_workdir(tmp_path):
+    path = tmp_path / "mine.json"
+    tokenizers.build_char(["abcdefghijklmnopqrstuvwxyz _(),:-\n+*#0123456789éäç✓\udce9"]).save(path)
+    corpus = make_corpus(tmp_path / "corpus")
+    config = make_config(tmp_path, f"text:{corpus}", tokenizer=str(path))
+    prepared = pipeline.prepare(config, str(tmp_path / "run"))
+    assert prepared.tokenizer.kind == "char"
+    assert tokenizers.load(tmp_path / "run" / "tokenizer.json").sha256 == \
+        tokenizers.load(path).sha256
+    config.data.tokenizer = "missing.json"
+    with pytest.raises(DataError, match="is not 'bpe', 'byte', 'char' or an existing"):
+        pipeline.prepare(config, str(tmp_path / "other_run"))
+
+
+def test_truncated_cache_is_rebuilt_on_the_next_run(tmp_path, capsys):
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus')}")
+    first = pipeline.prepare(config, str(tmp_path / "run"))
+    expected = np.array(first.train.tokens)
+    with open(first.train.path, "r+b") as f:
+        f.truncate(100)
+    again = pipeline.prepare(config, str(tmp_path / "run"))
+    np.testing.assert_array_equal(again.train.tokens, expected)
+    assert "is unusable (token file has 100 bytes" in capsys.readouterr().out
+
+
+def test_validation_split_smaller_than_one_batch_is_refused(tmp_path):
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus')}")
+    config.batch_size, config.seq_len = 64, 1024
+    with pytest.raises(DataError, match="less than one batch"):
+        pipeline.prepare(config, str(tmp_path / "run"))
+
+
+def test_empty_corpus_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    with pytest.raises(DataError, match="empty corpus"):
+        pipeline.prepare(make_config(tmp_path, f"text:{tmp_path / 'empty'}"), str(tmp_path / "run"))
+
+
+def test_training_sample_is_bounded_and_spread_out():
+    from andrea_jax.data.sources import ListDocuments
+
+    documents = ListDocuments([f"{i:04d}" * 100 for i in range(1000)])  # 400 characters each
+    sample = pipeline.training_sample(documents, 64 * 800)
+    assert sum(map(len, sample)) == 64 * 800
+    starts = [int(text[:4]) for text in sample]
+    assert starts[0] == 0 and max(starts) >= 984  # reaches the last stretch
+    assert pipeline.training_sample(ListDocuments(["ab", "cd"]), 1_000_000) == ["ab", "cd"]
+
+
+def test_shakespeare_char_matches_nanogpt_split(tmp_path):
+    if not os.path.exists(SHAKESPEARE):
+        pytest.skip(f"{SHAKESPEARE} is not on this machine")
+    config = make_config(tmp_path, f"text:{os.path.abspath(SHAKESPEARE)}", tokenizer="char")
+    prepared = pipeline.prepare(config, str(tmp_path / "run"))
+    assert prepared.tokenizer.vocab_size == 66
+    # nanoGPT: 1,003,854 train and 111,540 val characters; + end-of-text each.
+    assert (prepared.train.num_tokens, prepared.val.num_tokens) == (1_003_855, 111_541)
