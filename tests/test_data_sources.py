@@ -132,3 +132,43 @@ def test_undecodable_bytes_reach_the_documents_as_escapes(tmp_path):
     splits = sources.open_source(data, str(tmp_path / "cache"))
     joined = "".join(read_all(splits.train) + read_all(splits.val))
     assert joined.encode("utf-8", "surrogateescape") == b"caf\xe9\n" * 50
+
+
+# Written to its own module: the check reads the builder's module source, and this
+# test module's other builders must not look as if they needed TensorFlow.
+NEEDS_TENSORFLOW = '''
+import tensorflow_datasets as tfds
+from tensorflow_datasets.core.utils.lazy_imports_utils import TENSORFLOW as tf
+'''.replace("TENSORFLOW", "tensor" + "flow") + '''
+
+
+class ReadsThroughTensorflow(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+        return tfds.core.DatasetInfo(
+            builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+        raise AssertionError("preparation must not start")
+
+    def _generate_examples(self):
+        yield 0, {"text": tf.io.gfile.GFile("x").read()}
+'''
+
+
+def test_builder_needing_a_missing_module_fails_before_any_download(tmp_path, monkeypatch):
+    import importlib
+    import importlib.util
+    import sys
+
+    (tmp_path / "needs_tensorflow_builder.py").write_text(NEEDS_TENSORFLOW)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("needs_tensorflow_builder")
+    builder = module.ReadsThroughTensorflow(data_dir=str(tmp_path / "tfds"), file_format="array_record")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorflow" else real_find_spec(name, *a))
+    with pytest.raises(DataError, match="needs tensorflow, which is not installed; pip install tensorflow"):
+        sources.ensure_prepared(builder, network_check=lambda: True)
+    sys.modules.pop("needs_tensorflow_builder", None)

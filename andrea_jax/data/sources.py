@@ -9,8 +9,12 @@ else every k-th document, else (few documents) the last fraction of the text.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import inspect
 import os
+import re
 import socket
+import sys
 from typing import Callable, Protocol, Sequence
 
 import ml_collections
@@ -97,11 +101,33 @@ def network_available(timeout_s: float = 3.0) -> bool:
         return False
 
 
+def missing_preparation_module(builder) -> str | None:
+    """A module the builder's code imports to prepare, if this machine lacks it.
+
+    Many TFDS builders read files through TensorFlow (lm1b, tiny_shakespeare) or
+    run on Apache Beam (wikipedia, c4); finding out after a long download is worse.
+    """
+    module = sys.modules.get(type(builder).__module__)
+    try:
+        code = inspect.getsource(module) if module else ""
+    except (OSError, TypeError):
+        return None
+    for name, pattern in (("tensorflow", r"\bimport tensorflow\b"), ("apache_beam", r"\bapache_beam\b")):
+        if re.search(pattern, code) and importlib.util.find_spec(name) is None:
+            return name
+    return None
+
+
 def ensure_prepared(builder, network_check: Callable[[], bool] = network_available) -> None:
     """Prepares a TFDS dataset, failing in seconds (not minutes of retries) offline."""
     if builder.is_prepared():
         return
     name = builder.info.full_name
+    missing = missing_preparation_module(builder)
+    if missing:
+        raise DataError(f"preparing TFDS dataset {name} needs {missing}, which is not installed; "
+                        f"pip install {missing.replace('_', '-')} (Colab has tensorflow), or "
+                        f"prepare it where it is and set data.tfds_data_dir")
     if not network_check():
         raise DataError(
             f"TFDS dataset {name} is not prepared in {builder.data_dir} and there is no network "
