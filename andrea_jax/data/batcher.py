@@ -45,7 +45,7 @@ def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, se
     rows = _local_rows(batch_size, process_index, process_count)
     # Every process draws the whole global batch's offsets (cheap) and keeps its rows,
     # so the slices of all processes concatenate to the single-process batch.
-    starts = np.random.default_rng([seed, step]).integers(0, num_windows, size=batch_size)
+    starts = np.random.default_rng([int(seed), int(step)]).integers(0, num_windows, size=batch_size)
     return _windows(tokens, starts[rows], seq_len)
 
 
