@@ -76,10 +76,20 @@ def _fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
     return P(*fitted)
 
 
+def unbox(boxed_tree: Any) -> Any:
+    """Strip the axis-name boxes without adding sharding constraints.
+
+    (nn.meta.unbox constrains under active rules, which fails outside jit and
+    would bypass `_fit_spec` inside it; out_shardings place the values instead.)
+    """
+    return jax.tree.map(lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x, boxed_tree,
+                        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
 def logical_shardings(boxed_tree: Any, mesh: Mesh, axis_rules: tuple) -> Any:
     """NamedShardings for a tree of nn.Partitioned (or plain) shape structs."""
     specs = nn.get_partition_spec(boxed_tree)
-    unboxed = nn.meta.unbox(boxed_tree)
+    unboxed = unbox(boxed_tree)
     mesh_specs = nn.logical_to_mesh(specs, axis_rules)
     return jax.tree.map(lambda spec, leaf: NamedSharding(mesh, _fit_spec(spec, leaf.shape, mesh)),
                         mesh_specs, unboxed, is_leaf=lambda x: isinstance(x, P))

@@ -1,0 +1,54 @@
+"""Joining a multi-process run through JAX's own distributed runtime.
+
+Explicit flags win; otherwise a cluster environment JAX knows how to read
+(Cloud TPU pod slices, SLURM, Open MPI, Kubernetes) is detected; otherwise the
+run is a single process and nothing is initialised.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from andrea_jax.config import ConfigError
+
+# Environment variables that mean "this process is one of several".
+_CLUSTER_MARKERS = {
+    "SLURM_NTASKS": lambda v: int(v) > 1,
+    "OMPI_COMM_WORLD_SIZE": lambda v: int(v) > 1,
+    "TPU_WORKER_HOSTNAMES": lambda v: len(v.split(",")) > 1,
+    "MEGASCALE_COORDINATOR_ADDRESS": lambda v: bool(v),
+    "JAX_COORDINATOR_ADDRESS": lambda v: bool(v),
+}
+
+
+def cluster_detected(environ=os.environ) -> bool:
+    for name, is_multi in _CLUSTER_MARKERS.items():
+        value = environ.get(name)
+        if value:
+            try:
+                if is_multi(value):
+                    return True
+            except ValueError:
+                continue
+    return False
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, timeout_s: int = 300) -> bool:
+    """Initialises jax.distributed when asked or when a cluster is detected; True if it did."""
+    explicit = coordinator_address is not None or num_processes is not None or process_id is not None
+    if explicit:
+        if coordinator_address is None or num_processes is None or process_id is None:
+            raise ConfigError("--coordinator_address, --num_processes and --process_id go together; give all three")
+        if not 0 <= process_id < num_processes:
+            raise ConfigError(f"--process_id={process_id} must be in [0, {num_processes}) for "
+                             f"--num_processes={num_processes}")
+        jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                                   initialization_timeout=timeout_s)
+        return True
+    if cluster_detected():
+        jax.distributed.initialize(initialization_timeout=timeout_s)
+        return True
+    return False

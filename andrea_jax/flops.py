@@ -1,0 +1,84 @@
+"""FLOPs per token and model FLOPs utilisation (MFU) against the device's peak."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from andrea_jax.config import padded_vocab_size
+
+# Dense bf16 peak per JAX device (a TPU v2/v3 device is one core: half a chip).
+# Substrings of `device.device_kind`, most specific first.
+PEAK_BF16_FLOPS = [
+    ("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12),
+    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12),
+    ("A10G", 70e12), ("A10", 125e12), ("V100", 125e12), ("T4", 65e12), ("RTX 4090", 165e12),
+    ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
+    ("TPU v5", 459e12), ("TPU v4", 275e12), ("TPU v3", 61.5e12), ("TPU v2", 22.5e12),
+]
+
+
+def non_embedding_params(model_config: ml_collections.ConfigDict) -> int:
+    """N of the 6N rule: all parameters but the position table (a lookup does no FLOPs).
+
+    The tied token table counts once: it is the output matmul's weight.
+    """
+    m = model_config
+    d, f = m.d_model, m.mlp_dim
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+    return m.n_layer * block + 2 * d + padded_vocab_size(m) * d
+
+
+def flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int) -> float:
+    """Training FLOPs per token, nanoGPT/PaLM convention: 6N + 12·L·H·Q·T (attention not halved)."""
+    m = model_config
+    head_dim = m.d_model // m.n_head
+    return 6 * non_embedding_params(m) + 12 * m.n_layer * m.n_head * head_dim * seq_len
+
+
+def exact_flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int) -> float:
+    """Training matmul FLOPs per token with the causal mask's half of attention skipped."""
+    m = model_config
+    d, f = m.d_model, m.mlp_dim
+    matmul_weights = m.n_layer * (3 * d * d + d * d + 2 * d * f) + padded_vocab_size(m) * d
+    # q·kᵀ and probs·v: 2 matmuls of 2·d FLOPs per (query, key) pair, on average (T+1)/2 keys.
+    attention = m.n_layer * 2 * 2 * d * (seq_len + 1) / 2
+    return 3 * (2 * matmul_weights + attention)
+
+
+def device_peak_flops(device: jax.Device, dtype: str) -> float | None:
+    """The table's peak for this device, or None (CPUs and unknown accelerators)."""
+    if device.platform == "cpu":
+        return None
+    for name, peak in PEAK_BF16_FLOPS:
+        if name.lower() in device.device_kind.lower():
+            return peak
+    return None
+
+
+def measure_matmul_flops(dtype: str, size: int = 1024, repeats: int = 5) -> float:
+    """A measured ceiling: the best rate of a square matmul in `dtype` with float32 accumulation."""
+    jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
+    a = jnp.ones((size, size), jdtype)
+    matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def peak_flops(config: ml_collections.ConfigDict) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure comes from)."""
+    if config.peak_flops > 0:
+        return float(config.peak_flops), "config.peak_flops"
+    device = jax.devices()[0]
+    peak = device_peak_flops(device, config.model.dtype)
+    if peak is not None:
+        return peak, f"{device.device_kind} bf16 peak"
+    return measure_matmul_flops(config.model.dtype), f"measured {config.model.dtype} matmul rate"

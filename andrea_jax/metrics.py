@@ -1,0 +1,74 @@
+"""Where the numbers of a run go: metrics.jsonl and TensorBoard event files.
+
+Only the leader process writes; the others get a writer that does nothing, so
+the loop needs no `if process_index == 0` of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from tensorboardX import SummaryWriter
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _plain(value: Any) -> Any:
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep the record readable
+    return value
+
+
+def read(workdir: str) -> list[dict]:
+    path = os.path.join(workdir, METRICS_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_after(workdir: str, step: int) -> None:
+    """Drop records past `step` (logged by a run that stopped before saving them).
+
+    A resumed run logs those steps again; keeping both would double them.
+    Rewritten atomically: a kill leaves the old file or the new one.
+    """
+    path = os.path.join(workdir, METRICS_FILE)
+    records = read(workdir)
+    kept = [r for r in records if r.get("step", 0) <= step]
+    if len(kept) == len(records):
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+
+
+class Writer:
+    """Appends one JSON object per record and mirrors scalars to TensorBoard."""
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
+        self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a")
+        self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tensorboard.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tensorboard.close()

@@ -1,0 +1,57 @@
+"""AdamW with linear warmup, cosine/linear decay to a floor, and global-norm clipping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+    """Linear warmup from 0 to the peak, then decay to `min_learning_rate_ratio` × peak at `steps`."""
+    o = config.optimizer
+    peak = o.learning_rate
+    floor = peak * o.min_learning_rate_ratio
+    warmup = min(int(o.warmup_steps), int(config.steps))
+    decay_steps = max(1, int(config.steps) - warmup)
+    if o.decay == "cosine":
+        after = optax.cosine_decay_schedule(peak, decay_steps, alpha=o.min_learning_rate_ratio)
+    elif o.decay == "linear":
+        after = optax.linear_schedule(peak, floor, decay_steps)
+    else:
+        after = optax.constant_schedule(peak)
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def weight_decay_mask(params: Any, decay_embedding: bool) -> Any:
+    """True for the matrices that decay.
+
+    Biases and LayerNorm gains only shift and scale; decaying them pulls the
+    model toward a degenerate function, so (as GPT-2 and nanoGPT do) only
+    matrices decay. The position table is a lookup, not a map: it is left out.
+    The tied token embedding is both; `decay_embedding` decides.
+    """
+    def decays(path, leaf) -> bool:
+        # The last dict key names the parameter (boxed params add a `.value` after it).
+        name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+        if name == "token_embed":
+            return decay_embedding
+        if name == "position_embed":
+            return False
+        return name.endswith("_kernel")
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    o = config.optimizer
+    return optax.chain(
+        optax.clip_by_global_norm(o.grad_clip_norm),
+        optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
+                    weight_decay=o.weight_decay,
+                    mask=lambda params: weight_decay_mask(params, o.decay_embedding)),
+    )

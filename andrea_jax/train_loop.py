@@ -1,0 +1,231 @@
+"""The training loop: config + workdir -> a trained, checkpointed run.
+
+Order of things: check the workdir, prepare data (tokenizer + token caches),
+build the mesh, initialise or restore the state directly sharded, then step,
+log, evaluate and checkpoint. The host only waits for the device to log.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
+
+from andrea_jax import checkpoint, flops, metrics, optimizer, sharding, summary, train_step
+from andrea_jax import workdir as run_dir
+from andrea_jax.config import validate
+from andrea_jax.data import batcher, pipeline
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (non-finite loss); the message says what to do."""
+
+
+class _StopSignal:
+    """Remembers SIGTERM/SIGINT so the loop can finish the step and save first."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: signals stay with the caller
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc_info):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _barrier(name: str):
+    if jax.process_count() == 1:
+        return None
+    return lambda: multihost_utils.sync_global_devices(name)
+
+
+def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool) -> tuple[Any, ml_collections.ConfigDict]:
+    """Checks the workdir, prepares the data and fills in the tokenizer's vocabulary size."""
+    validate(config)
+    saved = run_dir.load_saved_config(workdir)
+    if saved is None and leader:
+        run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
+    prepared = pipeline.prepare(config, workdir, is_leader=leader, barrier=_barrier("andrea_data"))
+    config = ml_collections.ConfigDict(config.to_dict())
+    if config.model.vocab_size == 0:
+        config.model.vocab_size = prepared.tokenizer.vocab_size
+    if saved is not None:
+        run_dir.check_compatible(saved, config, workdir)
+    if leader:
+        run_dir.save_config(workdir, config)
+    return prepared, config
+
+
+def evaluate(eval_step, params, val_tokens: np.ndarray, config: ml_collections.ConfigDict,
+             batch_sharding, num_batches: int) -> float:
+    """Mean loss over the first `num_batches` fixed validation batches."""
+    losses = []
+    for index in range(num_batches):
+        local = batcher.val_batch(val_tokens, index=index, batch_size=config.batch_size, seq_len=config.seq_len,
+                                  process_index=jax.process_index(), process_count=jax.process_count())
+        losses.append(eval_step(params, batcher.to_global(local, batch_sharding)))
+    return float(np.mean(jax.device_get(losses)))
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Runs (or resumes) the run in `workdir`; returns the last logged record."""
+    leader = jax.process_index() == 0
+    prepared, config = resolve(config, workdir, leader)
+    mesh = sharding.make_mesh(config)
+    axis_rules = sharding.rules(config)
+    tx = optimizer.make(config)
+    schedule = optimizer.learning_rate_schedule(config)
+    tokens_per_step = config.batch_size * config.seq_len
+    flops_per_token = flops.flops_per_token(config.model, config.seq_len)
+    peak, peak_source = flops.peak_flops(config)
+    num_val = min(config.eval_batches, batcher.num_val_batches(prepared.val.num_tokens, config.batch_size,
+                                                               config.seq_len))
+    if leader:
+        print(summary.format_table(config.model))
+        print(f"mesh {sharding.describe(mesh)}; {tokens_per_step:,} tokens a step; "
+              f"MFU in the nanoGPT/PaLM convention ({flops_per_token / 1e6:.1f} MFLOP a token) "
+              f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})", flush=True)
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
+        init = partial(train_step.init_state, config=config, tx=tx)
+        boxed = jax.eval_shape(init, jax.random.key(config.seed))
+        state_shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
+        batch_sharding = sharding.batch_sharding(mesh)
+        replicated = sharding.replicated(mesh)
+
+        ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+        writer = metrics.Writer(workdir, enabled=leader)
+        try:
+            abstract = checkpoint.abstract_like(sharding.unbox(boxed), state_shardings)
+            restored = ckpt.restore(abstract)
+            if restored is None:
+                # Built directly sharded: the full model never sits on one device.
+                state = jax.jit(lambda rng: sharding.unbox(init(rng)), out_shardings=state_shardings)(
+                    jax.random.key(config.seed))
+                start_step = 0
+            else:
+                restored_state, meta = restored
+                start_step = int(meta["step"])
+                if meta.get("tokenizer_sha256") not in (None, prepared.tokenizer.sha256):
+                    raise checkpoint.CheckpointError(
+                        f"the checkpoints in {ckpt.directory} were trained with another tokenizer; "
+                        f"restore {workdir}/tokenizer.json or use a new --workdir")
+                state = {"step": jax.device_put(np.int32(start_step), state_shardings["step"]), **restored_state}
+                if leader:
+                    metrics.truncate_after(workdir, start_step)
+                    print(f"resumed from step {start_step} of {ckpt.directory}", flush=True)
+
+            step_fn = jax.jit(train_step.make_train_step(config, tx, schedule),
+                              in_shardings=(state_shardings, batch_sharding),
+                              out_shardings=(state_shardings, replicated), donate_argnums=0)
+            eval_fn = jax.jit(train_step.make_eval_step(config),
+                              in_shardings=(state_shardings["params"], batch_sharding), out_shardings=replicated)
+            def make_batch(step: int) -> np.ndarray:
+                return batcher.train_batch(prepared.train.tokens, seed=config.seed, step=step,
+                                           batch_size=config.batch_size, seq_len=config.seq_len,
+                                           process_index=jax.process_index(), process_count=jax.process_count())
+            return _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prepared,
+                         batch_sharding, ckpt, writer, tokens_per_step, flops_per_token * tokens_per_step,
+                         peak * mesh.devices.size, num_val, leader)
+        finally:
+            ckpt.close()  # an async save not waited for is lost
+            writer.close()
+
+
+def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prepared, batch_sharding,
+          ckpt, writer, tokens_per_step, flops_per_step, total_peak, num_val, leader) -> dict:
+    meta = {"tokenizer_sha256": prepared.tokenizer.sha256, "config": config.to_dict()}
+    last_record: dict = {}
+    pending: list[tuple[int, dict]] = []  # device metrics since the last host read
+    interval_start, interval_steps = time.perf_counter(), 0
+
+    def drain(step: int) -> list[tuple[int, dict]]:
+        """Reads pending metrics (the one place the host waits) and stops on a non-finite step."""
+        values = jax.device_get(pending)
+        pending.clear()
+        for at, record in values:
+            if not record["finite"]:
+                kept = ckpt.steps()
+                raise TrainingStopped(
+                    f"loss or gradients became non-finite at step {at + 1} (loss {record['loss']}, grad norm "
+                    f"{record['grad_norm']}); nothing was saved after it, the last good checkpoint is "
+                    f"{'step ' + str(kept[-1]) if kept else 'none'}; lower optimizer.learning_rate or raise "
+                    f"optimizer.warmup_steps and resume")
+        return values
+
+    progress = tqdm(total=config.steps, initial=start_step, disable=not leader, dynamic_ncols=True,
+                    desc="train")
+    with _StopSignal() as stop, batcher.Prefetcher(make_batch, start_step, batch_sharding) as batches:
+        for step in range(start_step, config.steps):
+            _, batch = next(batches)
+            state, step_metrics = step_fn(state, batch)
+            pending.append((step, step_metrics))
+            interval_steps += 1
+            done = step + 1
+            progress.update(1)
+
+            if done % config.log_every == 0 or done == config.steps:
+                values = drain(done)
+                elapsed = time.perf_counter() - interval_start
+                tokens_per_second = interval_steps * tokens_per_step / elapsed
+                last_record = {
+                    "loss": float(np.mean([v["loss"] for _, v in values])),
+                    "lr": float(values[-1][1]["lr"]), "grad_norm": float(values[-1][1]["grad_norm"]),
+                    "tokens_per_second": tokens_per_second,
+                    "mfu": flops_per_step * interval_steps / elapsed / total_peak,
+                }
+                writer.write(done, last_record)
+                progress.set_postfix(loss=f"{last_record['loss']:.3f}", tok_s=f"{tokens_per_second:,.0f}",
+                                     mfu=f"{100 * last_record['mfu']:.1f}%")
+                interval_start, interval_steps = time.perf_counter(), 0
+
+            if done % config.eval_every == 0 or done == config.steps:
+                val_loss = evaluate(eval_fn, state["params"], prepared.val.tokens, config, batch_sharding, num_val)
+                writer.write(done, {"val_loss": val_loss})
+                last_record = {**last_record, "val_loss": val_loss}
+                progress.write(f"step {done}: val_loss {val_loss:.4f}")
+                interval_start, interval_steps = time.perf_counter(), 0
+
+            stopping = _agreed(stop.received is not None, done, config)
+            if done % config.checkpoint_every == 0 or done == config.steps or stopping:
+                drain(done)  # never save a state that followed a non-finite step
+                ckpt.save(done, state, {**meta, "data_step": done})
+                interval_start, interval_steps = time.perf_counter(), 0
+            if stopping:
+                ckpt.wait()
+                progress.close()
+                if leader:
+                    print(f"stopped at step {done} on {stop.received or 'a signal to another process'}; "
+                          f"checkpoint saved in {ckpt.directory}; run the same command to resume", flush=True)
+                return {**last_record, "stopped_at": done}
+    progress.close()
+    return last_record
+
+
+def _agreed(local_stop: bool, done: int, config) -> bool:
+    """Whether to stop now; with several processes, any one's signal stops all at a log step."""
+    if jax.process_count() == 1:
+        return local_stop
+    if done % config.log_every:
+        return False
+    flags = multihost_utils.process_allgather(np.array(local_stop))
+    return bool(np.any(flags))

@@ -1,0 +1,96 @@
+"""The pure functions that run under `jit`: state init, the train step, the eval step.
+
+The training state is a plain dict pytree {"step", "params", "opt_state"}; the
+loop (`train_loop.py`) jits these with explicit shardings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import PartitionSpec as P
+
+from andrea_jax import model
+from andrea_jax.sharding import BATCH_AXES
+
+State = dict[str, Any]
+
+
+def init_state(rng: jax.Array, config: ml_collections.ConfigDict, tx: optax.GradientTransformation) -> State:
+    """Boxed state: params and their optimizer moments carry logical axis names."""
+    params = model.init_params(config.model, rng)
+    # optax maps over the boxes, so mu and nu inherit the params' axis names.
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+
+def cross_entropy(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
+                  dropout_rng: jax.Array | None) -> jax.Array:
+    """Mean next-token loss in float32 over a [B, L+1] window batch."""
+    inputs_BxL, targets_BxL = batch_BxLp1[:, :-1], batch_BxLp1[:, 1:]
+    deterministic = dropout_rng is None
+    logits_BxLxV = model.build(model_config).apply(
+        {"params": params}, inputs_BxL, deterministic=deterministic,
+        rngs=None if deterministic else {"dropout": dropout_rng})
+    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
+    return losses_BxL.mean()
+
+
+def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule) -> Callable[[State, jax.Array], tuple[State, dict]]:
+    """train_step(state, batch [B, L+1]) -> (state, metrics); gradients accumulated over micro-batches."""
+    num_micro = int(config.microbatches)
+    use_dropout = config.model.dropout > 0.0
+
+    def grads_of(params, micro_BxLp1, rng):
+        return jax.value_and_grad(cross_entropy)(params, config.model, micro_BxLp1, rng if use_dropout else None)
+
+    def train_step(state: State, batch_BxLp1: jax.Array) -> tuple[State, dict]:
+        params = state["params"]
+        # Dropout keys fold the step in: a resumed run draws the same masks.
+        step_rng = jax.random.fold_in(jax.random.key(config.seed), state["step"])
+        if num_micro == 1:
+            loss, grads = grads_of(params, batch_BxLp1, step_rng)
+        else:
+            batch_size, width = batch_BxLp1.shape
+            # Micro-batch m takes rows m, m+M, m+2M...: every device keeps its own
+            # rows in every micro-batch, so the split moves no data.
+            micro_MxBxLp1 = batch_BxLp1.reshape(batch_size // num_micro, num_micro, width).swapaxes(0, 1)
+            micro_MxBxLp1 = jax.lax.with_sharding_constraint(micro_MxBxLp1, P(None, BATCH_AXES, None))
+
+            def accumulate(carry, inputs):
+                index, micro_BxLp1 = inputs
+                loss, grads = grads_of(params, micro_BxLp1, jax.random.fold_in(step_rng, index))
+                loss_sum, grad_sum = carry
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(num_micro), micro_MxBxLp1))
+            loss = loss_sum / num_micro
+            grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
+
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite step changes nothing: the state stays the last good one and
+        # the loop stops on the `finite` flag before anything is saved.
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_state = {"step": state["step"] + 1,
+                     "params": keep(new_params, params),
+                     "opt_state": keep(new_opt_state, state["opt_state"])}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+                   "finite": finite}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(config: ml_collections.ConfigDict) -> Callable[[Any, jax.Array], jax.Array]:
+    """eval_step(params, batch [B, L+1]) -> mean loss."""
+    def eval_step(params: Any, batch_BxLp1: jax.Array) -> jax.Array:
+        return cross_entropy(params, config.model, batch_BxLp1, None)
+    return eval_step

@@ -1,0 +1,60 @@
+"""The run directory: its resolved config, and the checks that keep runs apart.
+
+A workdir holds one run. Resuming it with a config that changes the model's
+shape, or pointing a run at a directory that holds something else, stops with
+one line before anything in it is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+
+from andrea_jax.config import ConfigError
+
+CONFIG_FILE = "config.json"
+PROJECT = "andrea-jax"
+# Keys that decide the shapes or layout of the saved params.
+SHAPE_KEYS = ("n_layer", "d_model", "n_head", "mlp_dim", "vocab_size", "vocab_pad_multiple", "max_len",
+              "scan_layers")
+
+
+def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
+    """The config a run in `workdir` was started with, or None for a new directory."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        entries = [e for e in os.listdir(workdir)] if os.path.isdir(workdir) else []
+        if entries:
+            raise ConfigError(f"--workdir {workdir} is not empty and holds no {PROJECT} run "
+                              f"(no {CONFIG_FILE}); pick an empty or new directory")
+        return None
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path} is unreadable ({error}); restore it or use a new --workdir") from error
+    if not isinstance(saved, dict) or saved.get("project") != PROJECT:
+        raise ConfigError(f"{path} was not written by {PROJECT}; use a new --workdir")
+    return ml_collections.ConfigDict(saved["config"])
+
+
+def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict, workdir: str) -> None:
+    """The new config must build the same model as the saved one (other keys may change)."""
+    for key in SHAPE_KEYS:
+        old, new = saved.model.get(key), config.model.get(key)
+        if old != new:
+            raise ConfigError(
+                f"{workdir} holds a run with model.{key}={old}, not {new}; "
+                f"pass --config.model.{key}={old} to resume it, or use a new --workdir")
+
+
+def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+    """Writes the resolved config atomically (a kill leaves the old file or the new one)."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, CONFIG_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"project": PROJECT, "config": json.loads(config.to_json())}, f, indent=2)
+    os.replace(tmp, path)
