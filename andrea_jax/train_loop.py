@@ -86,11 +86,11 @@ def evaluate(eval_step, params, val_tokens: np.ndarray, config: ml_collections.C
     return float(np.mean(jax.device_get(losses)))
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Runs (or resumes) the run in `workdir`; returns the last logged record."""
+def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None = None) -> dict:
+    """Runs (or resumes) the run in `workdir` on `devices` (default: all); returns the last logged record."""
     leader = jax.process_index() == 0
     prepared, config = resolve(config, workdir, leader)
-    mesh = sharding.make_mesh(config)
+    mesh = sharding.make_mesh(config, devices)
     axis_rules = sharding.rules(config)
     tx = optimizer.make(config)
     schedule = optimizer.learning_rate_schedule(config)

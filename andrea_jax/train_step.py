@@ -72,7 +72,7 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
             loss = loss_sum / num_micro
             grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
 
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)

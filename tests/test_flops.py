@@ -1,0 +1,29 @@
+"""FLOP counts against the spec's figures."""
+
+import pytest
+
+from andrea_jax import flops
+from andrea_jax.config import base_config
+
+
+def test_andrea120m_flops_per_token_match_the_spec():
+    m = base_config().model
+    assert flops.non_embedding_params(m) == 92_331_264 - 786_432
+    assert flops.flops_per_token(m, 1024) == pytest.approx(662.5e6, rel=1e-3)
+    assert flops.exact_flops_per_token(m, 1024) == pytest.approx(605e6, rel=3e-3)
+
+
+def test_device_peak_table():
+    class Device:
+        platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+    assert flops.device_peak_flops(Device(), "bfloat16") == 989e12
+    Device.device_kind = "TPU v4"
+    assert flops.device_peak_flops(Device(), "bfloat16") == 275e12
+    Device.platform, Device.device_kind = "cpu", "cpu"
+    assert flops.device_peak_flops(Device(), "float32") is None
+
+
+def test_config_peak_wins():
+    c = base_config()
+    c.peak_flops = 1.5e12
+    assert flops.peak_flops(c) == (1.5e12, "config.peak_flops")

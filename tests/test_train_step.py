@@ -1,0 +1,116 @@
+"""The sharded train step: the same losses on every mesh, micro-batching, non-finite steps."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import flax.linen as nn
+import pytest
+
+from andrea_jax import optimizer, sharding, train_step
+from andrea_jax.config import base_config
+
+VOCAB = 128  # divisible by every mesh axis here, so vocab sharding is exercised too
+
+
+def small_config(**overrides):
+    c = base_config()
+    m = c.model
+    m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.vocab_size, m.max_len = 2, 64, 4, 256, VOCAB, 16
+    c.seq_len, c.batch_size, c.steps = 16, 8, 10
+    c.optimizer.warmup_steps = 2
+    c.update_from_flattened_dict(overrides)
+    return c
+
+
+def run_steps(config, mesh_sizes, num_steps=4, batches=None):
+    """Losses (and final params) of `num_steps` steps on a (data, fsdp, tensor) mesh."""
+    config.mesh.update(dict(zip(("data", "fsdp", "tensor"), mesh_sizes)))
+    mesh = sharding.make_mesh(config, jax.devices()[: int(np.prod(mesh_sizes))])
+    rules = sharding.rules(config)
+    tx = optimizer.make(config)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        init = partial(train_step.init_state, config=config, tx=tx)
+        boxed = jax.eval_shape(init, jax.random.key(0))
+        shardings = sharding.logical_shardings(boxed, mesh, rules)
+        state = jax.jit(lambda r: sharding.unbox(init(r)), out_shardings=shardings)(jax.random.key(0))
+        batch_sharding = sharding.batch_sharding(mesh)
+        step = jax.jit(train_step.make_train_step(config, tx, optimizer.learning_rate_schedule(config)),
+                       in_shardings=(shardings, batch_sharding),
+                       out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
+        losses = []
+        for i in range(num_steps):
+            batch = batches[i] if batches else \
+                np.random.default_rng(i).integers(0, VOCAB, (config.batch_size, config.seq_len + 1)).astype(np.int32)
+            state, metrics = step(state, jax.device_put(batch, batch_sharding))
+            losses.append(float(metrics["loss"]))
+        return np.array(losses), jax.device_get(state), shardings
+
+
+@pytest.fixture(scope="module")
+def single_device_run():
+    return run_steps(small_config(), (1, 1, 1))
+
+
+@pytest.mark.parametrize("mesh_sizes", [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)],
+                         ids=["data8", "fsdp8", "data2-fsdp2-tensor2", "fsdp4-tensor2"])
+def test_losses_match_one_device_on_every_mesh(single_device_run, mesh_sizes):
+    base_losses, base_state, _ = single_device_run
+    losses, state, shardings = run_steps(small_config(), mesh_sizes)
+    assert base_losses[-1] < base_losses[0]  # it is training
+    np.testing.assert_allclose(losses, base_losses, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(state["params"]["block_1"]["mlp"]["fc_kernel"],
+                               base_state["params"]["block_1"]["mlp"]["fc_kernel"], atol=1e-6)
+    # The parameters really are split as the rules say.
+    fc = shardings["params"]["block_0"]["mlp"]["fc_kernel"].spec
+    if mesh_sizes[1] > 1:
+        assert fc[0] == "fsdp"
+    if mesh_sizes[2] > 1:
+        assert fc[1] == "tensor"
+        assert shardings["params"]["token_embed"].spec[0] == "tensor"
+
+
+def test_optimizer_moments_are_sharded_like_params():
+    _, _, shardings = run_steps(small_config(), (1, 4, 2), num_steps=1)
+    adam = shardings["opt_state"][1][0]
+    assert adam.mu["block_0"]["attn"]["qkv_kernel"].spec == \
+        shardings["params"]["block_0"]["attn"]["qkv_kernel"].spec == jax.sharding.PartitionSpec("fsdp", None, "tensor", None)
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient(single_device_run):
+    base_losses, base_state, _ = single_device_run
+    losses, state, _ = run_steps(small_config(microbatches=4), (2, 1, 1))
+    np.testing.assert_allclose(losses, base_losses, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(state["params"]["token_embed"], base_state["params"]["token_embed"], atol=1e-6)
+
+
+def test_non_finite_step_leaves_the_state_unchanged():
+    config = small_config()
+    config.optimizer.learning_rate = 1e3  # a few steps of this blow the loss up
+    config.optimizer.warmup_steps = 0
+    config.optimizer.grad_clip_norm = 1e9
+    batch = np.random.default_rng(0).integers(0, VOCAB, (8, 17)).astype(np.int32)
+    tx = optimizer.make(config)
+    state = sharding.unbox(train_step.init_state(jax.random.key(0), config, tx))
+    step = jax.jit(train_step.make_train_step(config, tx, optimizer.learning_rate_schedule(config)))
+    for _ in range(30):
+        previous = state
+        state, metrics = step(state, batch)
+        if not bool(metrics["finite"]):
+            break
+    else:
+        pytest.fail("the learning rate of 1e3 never produced a non-finite loss")
+    for new, old in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(previous["params"])):
+        np.testing.assert_array_equal(new, old)
+    assert int(state["step"]) == int(previous["step"]) + 1
+
+
+def test_loss_at_init_is_log_vocab():
+    config = small_config()
+    tx = optimizer.make(config)
+    state = sharding.unbox(train_step.init_state(jax.random.key(0), config, tx))
+    batch = np.random.default_rng(1).integers(0, VOCAB, (8, 17)).astype(np.int32)
+    loss = float(train_step.cross_entropy(state["params"], config.model, jnp.asarray(batch), None))
+    assert loss == pytest.approx(np.log(VOCAB), abs=0.05)
