@@ -4,6 +4,10 @@ x = token_embed(ids) + position_embed(positions)
 per block:  x = x + Attention(LN_1(x));  x = x + MLP(LN_2(x))
 logits = LN_f(x) · token_embed.T          (tied output)
 
+With decode=True the model reads and extends a "cache" collection: each
+attention layer's keys and values in a fixed [B, max_len, H, K] buffer, and one
+index of the tokens already cached, which offsets the new tokens' positions.
+
 Every parameter carries logical axis names; a rule table in the config maps
 them onto the device mesh. Parameters are float32; matmuls run in the compute
 dtype and accumulate in float32; softmax and logits are float32.
@@ -67,10 +71,13 @@ class Attention(nn.Module):
     dropout: float
     residual_std: float
     implementation: str  # "xla" or "dot_product"
+    max_len: int = 0  # KV-cache length, used only in decode mode
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, deterministic: bool) -> jax.Array:
-        _, length, d_model = x_BxLxD.shape
+    def __call__(self, x_BxLxD: jax.Array, deterministic: bool,
+                 cache_index: jax.Array | None = None) -> jax.Array:
+        """cache_index given = decode mode: x holds the tokens at positions cache_index + [0, L)."""
+        batch, length, d_model = x_BxLxD.shape
         head_dim = d_model // self.n_head
         # (D, 3, H, K) is GPT-2's (D, 3·D) c_attn weight reshaped: q|k|v, then heads.
         qkv_kernel = self.param("qkv_kernel", _normal(INIT_STD, ("embed", "qkv", "heads", "head_dim")),
@@ -86,17 +93,34 @@ class Attention(nn.Module):
             qkv_BxLx3xHxK.astype(self.dtype), ("act_batch", "act_len", None, "act_heads", None))
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
 
-        if self.implementation == "dot_product" and (deterministic or self.dropout == 0.0):
-            # Reaches cuDNN flash attention on GPU; plain XLA elsewhere.
-            out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
+        if cache_index is None:
+            # S = L: the keys are this sequence's own.
+            k_BxSxHxK, v_BxSxHxK = k_BxLxHxK, v_BxLxHxK
+            causal_LxS = jnp.tril(jnp.ones((length, length), dtype=bool))
         else:
-            logits_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK,
+            # S = max_len: write the new keys/values at cache_index, attend over the whole
+            # buffer; query i sits at position cache_index + i, so the mask hides both the
+            # future and the slots not yet written. Callers keep cache_index + L <= max_len:
+            # dynamic_update_slice would clamp the start rather than fail.
+            cache_shape = (batch, self.max_len, self.n_head, head_dim)
+            cached_key = self.variable("cache", "key", jnp.zeros, cache_shape, self.dtype)
+            cached_value = self.variable("cache", "value", jnp.zeros, cache_shape, self.dtype)
+            start = (0, cache_index, 0, 0)
+            cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, k_BxLxHxK, start)
+            cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, v_BxLxHxK, start)
+            k_BxSxHxK, v_BxSxHxK = cached_key.value, cached_value.value
+            causal_LxS = jnp.arange(self.max_len)[None, :] <= cache_index + jnp.arange(length)[:, None]
+
+        if self.implementation == "dot_product" and cache_index is None and (deterministic or self.dropout == 0.0):
+            # Reaches cuDNN flash attention on GPU; plain XLA elsewhere.
+            out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True)
+        else:
+            logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxSxHxK,
                                         preferred_element_type=jnp.float32) / math.sqrt(head_dim)
-            causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-            logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
-            probs_BxHxLxL = jax.nn.softmax(logits_BxHxLxL, axis=-1)
-            probs_BxHxLxL = nn.Dropout(self.dropout)(probs_BxHxLxL, deterministic=deterministic)
-            out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxL.astype(self.dtype), v_BxLxHxK,
+            logits_BxHxLxS = jnp.where(causal_LxS, logits_BxHxLxS, jnp.finfo(jnp.float32).min)
+            probs_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1)
+            probs_BxHxLxS = nn.Dropout(self.dropout)(probs_BxHxLxS, deterministic=deterministic)
+            out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxS.astype(self.dtype), v_BxSxHxK,
                                      preferred_element_type=jnp.float32).astype(self.dtype)
 
         out_BxLxD = matmul(out_BxLxHxK, out_kernel, "blhk,hkd->bld", self.dtype) + out_bias
@@ -134,15 +158,17 @@ class Block(nn.Module):
     config: ml_collections.ConfigDict
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, deterministic: bool) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, deterministic: bool,
+                 cache_index: jax.Array | None = None) -> jax.Array:
         m = self.config
         dtype = DTYPES[m.dtype]
         # GPT-2: residual projections shrink with depth so the stream's variance
         # does not grow with the number of blocks; each block starts near identity.
         residual_std = INIT_STD / math.sqrt(2 * m.n_layer)
-        attn = Attention(m.n_head, dtype, m.dropout, residual_std, m.attention, name="attn")
+        attn = Attention(m.n_head, dtype, m.dropout, residual_std, m.attention, m.max_len, name="attn")
         mlp = MLP(m.mlp_dim, dtype, m.dropout, residual_std, name="mlp")
-        x_BxLxD = x_BxLxD + attn(LayerNorm(m.layer_norm_epsilon, dtype, name="ln_1")(x_BxLxD), deterministic)
+        x_BxLxD = x_BxLxD + attn(LayerNorm(m.layer_norm_epsilon, dtype, name="ln_1")(x_BxLxD), deterministic,
+                                 cache_index)
         x_BxLxD = x_BxLxD + mlp(LayerNorm(m.layer_norm_epsilon, dtype, name="ln_2")(x_BxLxD), deterministic)
         return x_BxLxD
 
@@ -152,9 +178,9 @@ class ScannedBlock(nn.Module):
     config: ml_collections.ConfigDict
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, deterministic: bool):
+    def __call__(self, x_BxLxD: jax.Array, deterministic: bool, cache_index: jax.Array | None = None):
         block_cls = nn.remat(Block, static_argnums=(2,)) if self.config.remat else Block
-        return block_cls(self.config, name="block")(x_BxLxD, deterministic), None
+        return block_cls(self.config, name="block")(x_BxLxD, deterministic, cache_index), None
 
 
 class Transformer(nn.Module):
@@ -162,7 +188,7 @@ class Transformer(nn.Module):
     config: ml_collections.ConfigDict  # the `model` section of a config
 
     @nn.compact
-    def __call__(self, ids_BxL: jax.Array, deterministic: bool = True) -> jax.Array:
+    def __call__(self, ids_BxL: jax.Array, deterministic: bool = True, decode: bool = False) -> jax.Array:
         m = self.config
         dtype = DTYPES[m.dtype]
         _, length = ids_BxL.shape
@@ -172,19 +198,29 @@ class Transformer(nn.Module):
         position_embed = self.param("position_embed", _normal(INIT_STD, ("position", "embed")),
                                     (m.max_len, m.d_model), jnp.float32)
 
-        x_BxLxD = jnp.take(token_embed, ids_BxL, axis=0) + position_embed[:length]
+        if decode:
+            # Needs mutable=["cache"]; the new tokens follow those already cached.
+            index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+            cache_index = index.value
+            index.value = cache_index + length
+            positions_LxD = jax.lax.dynamic_slice_in_dim(position_embed, cache_index, length)
+        else:
+            cache_index, positions_LxD = None, position_embed[:length]
+
+        x_BxLxD = jnp.take(token_embed, ids_BxL, axis=0) + positions_LxD
         x_BxLxD = nn.Dropout(m.dropout)(x_BxLxD, deterministic=deterministic).astype(dtype)
         x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("act_batch", "act_len", "act_embed"))
 
         if m.scan_layers:
-            blocks = nn.scan(ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                             in_axes=(nn.broadcast,), length=m.n_layer,
+            blocks = nn.scan(ScannedBlock, variable_axes={"params": 0, "cache": 0},
+                             split_rngs={"params": True, "dropout": True},
+                             in_axes=(nn.broadcast, nn.broadcast), length=m.n_layer,
                              metadata_params={nn.PARTITION_NAME: "layers"})
-            x_BxLxD, _ = blocks(m, name="blocks")(x_BxLxD, deterministic)
+            x_BxLxD, _ = blocks(m, name="blocks")(x_BxLxD, deterministic, cache_index)
         else:
             block_cls = nn.remat(Block, static_argnums=(2,)) if m.remat else Block
             for i in range(m.n_layer):
-                x_BxLxD = block_cls(m, name=f"block_{i}")(x_BxLxD, deterministic)
+                x_BxLxD = block_cls(m, name=f"block_{i}")(x_BxLxD, deterministic, cache_index)
 
         x_BxLxD = LayerNorm(m.layer_norm_epsilon, dtype, name="ln_f")(x_BxLxD)
         logits_BxLxV = matmul(x_BxLxD, token_embed, "bld,vd->blv", dtype)
