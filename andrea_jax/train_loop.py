@@ -8,6 +8,7 @@ log, evaluate and checkpoint. The host only waits for the device to log.
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from functools import partial
 from typing import Any
@@ -46,6 +47,8 @@ class _StopSignal:
 
     def _handle(self, signum, frame):
         self.received = signal.Signals(signum).name
+        print(f"\n{self.received} received: finishing this step, then saving a checkpoint and stopping",
+              file=sys.stderr, flush=True)
 
     def __exit__(self, *exc_info):
         for sig, handler in self._previous.items():
@@ -64,14 +67,15 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool) -> tu
     saved = run_dir.load_saved_config(workdir)
     if saved is None and leader:
         run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
+    if saved is not None:
+        run_dir.check_compatible(saved, config, workdir)  # before any data work
     prepared = pipeline.prepare(config, workdir, is_leader=leader, barrier=_barrier("andrea_data"))
     config = ml_collections.ConfigDict(config.to_dict())
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size
     if saved is not None:
         run_dir.check_compatible(saved, config, workdir)
-    if leader:
-        run_dir.save_config(workdir, config)
+    # An existing run's config.json is rewritten by `train` once its checkpoints are known to fit.
     return prepared, config
 
 
@@ -89,8 +93,9 @@ def evaluate(eval_step, params, val_tokens: np.ndarray, config: ml_collections.C
 def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None = None) -> dict:
     """Runs (or resumes) the run in `workdir` on `devices` (default: all); returns the last logged record."""
     leader = jax.process_index() == 0
+    validate(config)
+    mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation
     prepared, config = resolve(config, workdir, leader)
-    mesh = sharding.make_mesh(config, devices)
     axis_rules = sharding.rules(config)
     tx = optimizer.make(config)
     schedule = optimizer.learning_rate_schedule(config)
@@ -116,7 +121,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
         writer = metrics.Writer(workdir, enabled=leader)
         try:
             abstract = checkpoint.abstract_like(sharding.unbox(boxed), state_shardings)
-            restored = ckpt.restore(abstract)
+            restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256, model_config=config.model)
+            carried_losses: list[float] = []
             if restored is None:
                 # Built directly sharded: the full model never sits on one device.
                 state = jax.jit(lambda rng: sharding.unbox(init(rng)), out_shardings=state_shardings)(
@@ -125,14 +131,13 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
             else:
                 restored_state, meta = restored
                 start_step = int(meta["step"])
-                if meta.get("tokenizer_sha256") not in (None, prepared.tokenizer.sha256):
-                    raise checkpoint.CheckpointError(
-                        f"the checkpoints in {ckpt.directory} were trained with another tokenizer; "
-                        f"restore {workdir}/tokenizer.json or use a new --workdir")
+                carried_losses = list(meta.get("log_interval_losses", []))
                 state = {"step": jax.device_put(np.int32(start_step), state_shardings["step"]), **restored_state}
                 if leader:
                     metrics.truncate_after(workdir, start_step)
                     print(f"resumed from step {start_step} of {ckpt.directory}", flush=True)
+            if leader:
+                run_dir.save_config(workdir, config)
 
             step_fn = jax.jit(train_step.make_train_step(config, tx, schedule),
                               in_shardings=(state_shardings, batch_sharding),
@@ -145,17 +150,20 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
                                            process_index=jax.process_index(), process_count=jax.process_count())
             return _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prepared,
                          batch_sharding, ckpt, writer, tokens_per_step, flops_per_token * tokens_per_step,
-                         peak * mesh.devices.size, num_val, leader)
+                         peak * mesh.devices.size, num_val, leader, carried_losses)
         finally:
             ckpt.close()  # an async save not waited for is lost
             writer.close()
 
 
 def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prepared, batch_sharding,
-          ckpt, writer, tokens_per_step, flops_per_step, total_peak, num_val, leader) -> dict:
+          ckpt, writer, tokens_per_step, flops_per_step, total_peak, num_val, leader, carried_losses) -> dict:
     meta = {"tokenizer_sha256": prepared.tokenizer.sha256, "config": config.to_dict()}
     last_record: dict = {}
     pending: list[tuple[int, dict]] = []  # device metrics since the last host read
+    # Host-side losses of the steps since the last log record. A checkpoint carries them,
+    # so the first record after a resume averages the same steps as an unbroken run.
+    interval_losses = [np.float32(loss) for loss in carried_losses]
     interval_start, interval_steps = time.perf_counter(), 0
 
     def drain(step: int) -> list[tuple[int, dict]]:
@@ -170,6 +178,7 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
                     f"{record['grad_norm']}); nothing was saved after it, the last good checkpoint is "
                     f"{'step ' + str(kept[-1]) if kept else 'none'}; lower optimizer.learning_rate or raise "
                     f"optimizer.warmup_steps and resume")
+        interval_losses.extend(np.float32(record["loss"]) for _, record in values)
         return values
 
     progress = tqdm(total=config.steps, initial=start_step, disable=not leader, dynamic_ncols=True,
@@ -188,12 +197,13 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
                 elapsed = time.perf_counter() - interval_start
                 tokens_per_second = interval_steps * tokens_per_step / elapsed
                 last_record = {
-                    "loss": float(np.mean([v["loss"] for _, v in values])),
+                    "loss": float(np.mean(interval_losses)),
                     "lr": float(values[-1][1]["lr"]), "grad_norm": float(values[-1][1]["grad_norm"]),
                     "tokens_per_second": tokens_per_second,
                     "mfu": flops_per_step * interval_steps / elapsed / total_peak,
                 }
                 writer.write(done, last_record)
+                interval_losses.clear()
                 progress.set_postfix(loss=f"{last_record['loss']:.3f}", tok_s=f"{tokens_per_second:,.0f}",
                                      mfu=f"{100 * last_record['mfu']:.1f}%")
                 interval_start, interval_steps = time.perf_counter(), 0
@@ -208,7 +218,8 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
             stopping = _agreed(stop.received is not None, done, config)
             if done % config.checkpoint_every == 0 or done == config.steps or stopping:
                 drain(done)  # never save a state that followed a non-finite step
-                ckpt.save(done, state, {**meta, "data_step": done})
+                ckpt.save(done, state, {**meta, "data_step": done,
+                                        "log_interval_losses": [float(loss) for loss in interval_losses]})
                 interval_start, interval_steps = time.perf_counter(), 0
             if stopping:
                 ckpt.wait()

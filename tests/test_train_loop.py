@@ -1,0 +1,110 @@
+"""train.py end to end on a small local corpus: metrics, meshes, stops and errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from andrea_jax import train_loop
+from andrea_jax.config import base_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_corpus(directory, num_files=12):
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "value", "index", "for", "in", "range", "if", "else", "print", "x", "y"]
+    os.makedirs(directory, exist_ok=True)
+    for i in range(num_files):
+        lines = [" ".join(rng.choice(words, size=8)) for _ in range(60)]
+        with open(os.path.join(directory, f"f{i:02d}.py"), "w") as f:
+            f.write("\n".join(lines))
+    return directory
+
+
+def loop_config(tmp_path, **overrides):
+    c = base_config()
+    m = c.model
+    m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.max_len, m.vocab_size = 2, 64, 4, 256, 32, 0
+    c.update(dict(seq_len=32, batch_size=8, steps=8, log_every=2, eval_every=4, eval_batches=2,
+                  checkpoint_every=4))
+    c.optimizer.update(dict(learning_rate=3e-3, warmup_steps=2))
+    c.data.update(dict(source="text:" + write_corpus(str(tmp_path / "corpus")), tokenizer="byte",
+                       cache_dir=str(tmp_path / "cache"), val_fraction=0.2))
+    c.update_from_flattened_dict(overrides)
+    return c
+
+
+def losses(workdir, key="loss"):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [(r["step"], r[key]) for r in map(json.loads, f) if key in r]
+
+
+def test_metrics_records_and_falling_loss(tmp_path):
+    workdir = str(tmp_path / "run")
+    last = train_loop.train(loop_config(tmp_path, steps=12), workdir, devices=jax.devices()[:1])
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == [2, 4, 6, 8, 10, 12]
+    for r in train_records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_second", "mfu"} <= r.keys()
+        assert r["tokens_per_second"] > 0 and 0 < r["mfu"] < 1
+    assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
+    assert train_records[-1]["loss"] < train_records[0]["loss"] - 0.5
+    assert last["val_loss"] == records[-1]["val_loss"]
+    # Logged at step 4: the rate of the 4th update (index 3), one step into the 10-step cosine.
+    assert train_records[1]["lr"] == pytest.approx(3e-4 + 2.7e-3 * 0.5 * (1 + np.cos(np.pi / 10)), rel=1e-5)
+    assert os.path.isdir(os.path.join(workdir, "tensorboard"))
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(workdir, "tensorboard")))
+    saved = json.load(open(os.path.join(workdir, "config.json")))
+    assert saved["project"] == "andrea-jax" and saved["config"]["model"]["vocab_size"] == 257
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12", "4", "8"]
+
+
+def test_one_device_and_a_mixed_mesh_log_the_same_losses(tmp_path):
+    one = str(tmp_path / "one")
+    mesh = str(tmp_path / "mesh")
+    train_loop.train(loop_config(tmp_path), one, devices=jax.devices()[:1])
+    train_loop.train(loop_config(tmp_path, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}), mesh)
+    a, b = losses(one), losses(mesh)
+    assert [s for s, _ in a] == [s for s, _ in b] == [2, 4, 6, 8]
+    np.testing.assert_allclose([v for _, v in b], [v for _, v in a], rtol=1e-5)
+    np.testing.assert_allclose([v for _, v in losses(mesh, "val_loss")], [v for _, v in losses(one, "val_loss")],
+                               rtol=1e-5)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    workdir = str(tmp_path / "run")
+    config = loop_config(tmp_path, steps=40, checkpoint_every=2, log_every=1)
+    config.optimizer.update(dict(learning_rate=1e4, warmup_steps=0, grad_clip_norm=1e12, decay="constant"))
+    with pytest.raises(train_loop.TrainingStopped, match="became non-finite at step (\\d+).*lower optimizer"):
+        train_loop.train(config, workdir, devices=jax.devices()[:1])
+    logged = [s for s, _ in losses(workdir)]
+    saved = sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")) if s.isdigit())
+    assert saved and saved[-1] <= logged[-1] + 1 and saved[-1] < 40
+
+
+def run_train(*args, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.model.n_head=5", "n_head=5 does not divide model.d_model=256"),
+    ("--config.mesh.data=3", "needs 3 devices but 1 are present"),
+])
+def test_train_py_rejects_bad_configs_with_one_line(tmp_path, override, message):
+    result = run_train("--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"), override,
+                       f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.data.source=text:" +
+                       write_corpus(str(tmp_path / "corpus"), 2), "--config.data.tokenizer=byte",
+                       "--config.model.vocab_size=0", "--config.steps=2")
+    assert result.returncode == 2
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
