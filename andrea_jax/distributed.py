@@ -36,19 +36,30 @@ def cluster_detected(environ=os.environ) -> bool:
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, timeout_s: int = 300) -> bool:
-    """Initialises jax.distributed when asked or when a cluster is detected; True if it did."""
+               process_id: int | None = None, timeout_s: int = 120) -> bool:
+    """Initialises jax.distributed when asked or when a cluster is detected; True if it did.
+
+    timeout_s bounds both the wait for the coordinator at start-up and how long
+    the others go on after one process stops answering (its heartbeat), so a
+    dead peer ends the run instead of hanging it.
+    """
     explicit = coordinator_address is not None or num_processes is not None or process_id is not None
     if explicit:
         if coordinator_address is None or num_processes is None or process_id is None:
             raise ConfigError("--coordinator_address, --num_processes and --process_id go together; give all three")
-        if not 0 <= process_id < num_processes:
+        if num_processes < 1 or not 0 <= process_id < num_processes:
             raise ConfigError(f"--process_id={process_id} must be in [0, {num_processes}) for "
-                             f"--num_processes={num_processes}")
+                              f"--num_processes={num_processes}")
+    elif not cluster_detected():
+        return False
+    try:
         jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                                   initialization_timeout=timeout_s)
-        return True
-    if cluster_detected():
-        jax.distributed.initialize(initialization_timeout=timeout_s)
-        return True
-    return False
+                                   initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s,
+                                   shutdown_timeout_seconds=timeout_s)
+    except Exception as error:  # the runtime's own message is many lines of RPC detail
+        where = coordinator_address or "the cluster's coordinator"
+        first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"could not join the distributed run at {where} within {timeout_s}s ({first_line}); "
+                          f"check that process 0 runs and --coordinator_address/--num_processes/--process_id "
+                          f"agree on every process") from error
+    return True
