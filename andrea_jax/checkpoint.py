@@ -4,20 +4,27 @@ Separate items let eval restore params alone. Restores take abstract targets
 carrying the *current* shardings, so a checkpoint written on one mesh restores
 on any other. Orbax writes each step into a temporary directory and renames it
 when complete, so a killed save is never picked up; a step that is unreadable
-anyway (truncated by hand, disk trouble) is skipped for the previous one.
+anyway (truncated by hand, disk trouble) is skipped for the previous one, and a
+training run moves it out of the way (never deletes it) so it can save that
+step again.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import jax
+import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
-PROJECT = "andrea-jax"
+from andrea_jax.workdir import PROJECT, SHAPE_KEYS
+
 FORMAT_VERSION = 1
+UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir, next to checkpoints/
 
 
 class CheckpointError(RuntimeError):
@@ -34,13 +41,39 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
                         tree, shardings)
 
 
+def check_meta(meta: dict, where: str, tokenizer_sha256: str | None = None,
+               model_config: ml_collections.ConfigDict | None = None) -> None:
+    """Stops on a checkpoint this run cannot continue from, before any array is read."""
+    if meta.get("project") != PROJECT:
+        raise CheckpointError(f"{where} was not written by {PROJECT}; use a new --workdir")
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{where} has checkpoint format {meta.get('format')}, this version reads "
+                              f"{FORMAT_VERSION}; use the andrea-jax version that wrote it or a new --workdir")
+    saved_sha = meta.get("tokenizer_sha256")
+    if tokenizer_sha256 is not None and saved_sha is not None and saved_sha != tokenizer_sha256:
+        raise CheckpointError(f"{where} was trained with tokenizer {saved_sha[:12]}, but the workdir's "
+                              f"tokenizer.json is {tokenizer_sha256[:12]}; put the run's own tokenizer.json "
+                              f"back or use a new --workdir")
+    saved_model = (meta.get("config") or {}).get("model") or {}
+    if model_config is not None:
+        for key in SHAPE_KEYS:
+            if key in saved_model and saved_model[key] != model_config.get(key):
+                raise CheckpointError(f"{where} holds a model with model.{key}={saved_model[key]}, not "
+                                      f"{model_config.get(key)}; pass --config.model.{key}={saved_model[key]} "
+                                      f"or use a new --workdir")
+
+
 class Checkpointer:
     """A CheckpointManager keeping the newest `keep` steps, saving asynchronously."""
 
     def __init__(self, workdir: str, keep: int = 3, read_only: bool = False):
+        self.workdir = os.path.abspath(workdir)
         self.directory = directory_of(workdir)
+        self.read_only = read_only
+        self.last_save_seconds = 0.0  # how long the last save() held the caller up
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
-                                               create=not read_only, read_only=read_only)
+                                               create=not read_only, read_only=read_only,
+                                               cleanup_tmp_directories=not read_only)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def steps(self) -> list[int]:
@@ -48,54 +81,85 @@ class Checkpointer:
 
     def save(self, step: int, state: dict, meta: dict) -> None:
         """Starts an async save of the state at `step`; training goes on while it writes."""
+        started = time.perf_counter()
         meta = {"project": PROJECT, "format": FORMAT_VERSION, "step": int(step), **meta}
         self._manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(state["params"]),
             opt_state=ocp.args.StandardSave(state["opt_state"]),
             meta=ocp.args.JsonSave(meta)), force=True)
+        self.last_save_seconds = time.perf_counter() - started
 
-    def _restore_step(self, step: int, abstract_state: dict, params_only: bool) -> tuple[dict, dict]:
-        items = dict(params=ocp.args.StandardRestore(abstract_state["params"]), meta=ocp.args.JsonRestore())
+    def read_meta(self, step: int) -> dict:
+        """The metadata item of `step` alone (no arrays are read)."""
+        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(restored["meta"])
+
+    def _restore_step(self, step: int, abstract_state: dict, params_only: bool, expect: dict) -> tuple[dict, dict]:
+        meta = self.read_meta(step)
+        check_meta(meta, f"checkpoint step {step} in {self.directory}", **expect)
+        items = dict(params=ocp.args.StandardRestore(abstract_state["params"]))
         if not params_only:
             items["opt_state"] = ocp.args.StandardRestore(abstract_state["opt_state"])
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        meta = dict(restored["meta"])
-        if meta.get("project") != PROJECT:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} was not written by {PROJECT}")
         state = {"params": restored["params"]}
         if not params_only:
             state["opt_state"] = restored["opt_state"]
         return state, meta
 
-    def restore(self, abstract_state: dict, step: int | None = None,
-                params_only: bool = False) -> tuple[dict, dict] | None:
+    def restore(self, abstract_state: dict, step: int | None = None, params_only: bool = False,
+                tokenizer_sha256: str | None = None,
+                model_config: ml_collections.ConfigDict | None = None) -> tuple[dict, dict] | None:
         """(state, meta) of `step`, or of the newest readable step; None when there is none.
 
-        abstract_state: {"params": ..., "opt_state": ...} of ShapeDtypeStructs with shardings.
+        abstract_state: {"params": ..., "opt_state": ...} of ShapeDtypeStructs with shardings
+        ("params" alone with params_only). A checkpoint from another project, tokenizer or
+        model shape raises CheckpointError; an unreadable one is skipped for the one before.
         """
+        expect = dict(tokenizer_sha256=tokenizer_sha256, model_config=model_config)
         steps = self.steps()
         if step is not None:
             if step not in steps:
                 raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; "
-                                      f"available steps: {steps or 'none'}")
-            return self._restore_step(step, abstract_state, params_only)
+                                      f"available steps: {', '.join(map(str, steps)) or 'none'}")
+            try:
+                return self._restore_step(step, abstract_state, params_only, expect)
+            except CheckpointError:
+                raise
+            except Exception as error:
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable "
+                                      f"({_first_line(error)}); pick another --step") from error
         for candidate in reversed(steps):
             try:
-                return self._restore_step(candidate, abstract_state, params_only)
+                return self._restore_step(candidate, abstract_state, params_only, expect)
             except CheckpointError:
                 raise
             except Exception as error:  # an unreadable step: fall back, and say so
-                older = [s for s in steps if s < candidate]
-                logging.warning("checkpoint step %d in %s is unreadable (%s: %s); %s", candidate, self.directory,
-                                type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "",
-                                f"falling back to step {older[-1]}" if older else "no older step to fall back to")
-                print(f"warning: checkpoint step {candidate} is unreadable; "
-                      + (f"falling back to step {older[-1]}" if older else "no older step"), flush=True)
+                self._skip_unreadable(candidate, error, [s for s in steps if s < candidate])
         if steps:
             # Starting over would overwrite what is there: leave that to the user.
-            raise CheckpointError(f"no readable checkpoint in {self.directory} (steps {steps}); "
-                                  f"move the directory away to start over, or use a new --workdir")
+            raise CheckpointError(f"no readable checkpoint in {self.directory} (steps "
+                                  f"{', '.join(map(str, steps))}); move the directory away to start over, "
+                                  f"or use a new --workdir")
         return None
+
+    def _skip_unreadable(self, step: int, error: Exception, older: list[int]) -> None:
+        where = "kept in place"
+        if not self.read_only and jax.process_index() == 0:
+            # Out of the manager's way, so the run can write this step again; kept for inspection.
+            aside = os.path.join(self.workdir, UNREADABLE_DIR, str(step))
+            if os.path.exists(aside):
+                aside += f".{int(time.time())}"
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            os.replace(os.path.join(self.directory, str(step)), aside)
+            where = f"moved to {aside}"
+        if not self.read_only:
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices(f"andrea_checkpoint_aside_{step}")
+            self._manager.reload()
+        fallback = f"falling back to step {older[-1]}" if older else "no older step to fall back to"
+        logging.warning("checkpoint step %d in %s is unreadable (%s)", step, self.directory, _first_line(error))
+        print(f"warning: checkpoint step {step} in {self.directory} is unreadable ({_first_line(error)}); "
+              f"{where}; {fallback}", flush=True)
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -104,3 +168,8 @@ class Checkpointer:
         """Waits for the last async save, then releases the manager (call in a finally)."""
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:160]}" if text else type(error).__name__

@@ -118,7 +118,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
         replicated = sharding.replicated(mesh)
 
         ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
-        writer = metrics.Writer(workdir, enabled=leader)
+        writer = None
         try:
             abstract = checkpoint.abstract_like(sharding.unbox(boxed), state_shardings)
             restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256, model_config=config.model)
@@ -138,6 +138,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
                     print(f"resumed from step {start_step} of {ckpt.directory}", flush=True)
             if leader:
                 run_dir.save_config(workdir, config)
+            writer = metrics.Writer(workdir, enabled=leader)  # after the truncation, which replaces the file
 
             step_fn = jax.jit(train_step.make_train_step(config, tx, schedule),
                               in_shardings=(state_shardings, batch_sharding),
@@ -153,7 +154,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
                          peak * mesh.devices.size, num_val, leader, carried_losses)
         finally:
             ckpt.close()  # an async save not waited for is lost
-            writer.close()
+            if writer is not None:
+                writer.close()
 
 
 def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prepared, batch_sharding,

@@ -41,9 +41,14 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
 
 
 def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict, workdir: str) -> None:
-    """The new config must build the same model as the saved one (other keys may change)."""
+    """The new config must build the same model as the saved one (other keys may change).
+
+    model.vocab_size=0 (not yet taken from the tokenizer) is checked once it is resolved.
+    """
     for key in SHAPE_KEYS:
         old, new = saved.model.get(key), config.model.get(key)
+        if key == "vocab_size" and new == 0:
+            continue
         if old != new:
             raise ConfigError(
                 f"{workdir} holds a run with model.{key}={old}, not {new}; "
