@@ -1,0 +1,197 @@
+"""Evaluating a saved run: restore its params onto the devices present, score the validation split.
+
+Loss is the mean next-token loss over consecutive, non-overlapping windows of the
+split (the windows the training loop evaluates, in the same order); bits per
+byte divide the evaluated tokens' loss by the UTF-8 bytes they stand for, taken
+from the token cache's measured byte count in proportion to the tokens evaluated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from andrea_jax import checkpoint, model, sampling, sharding
+from andrea_jax import workdir as run_dir
+from andrea_jax.config import ConfigError, validate
+from andrea_jax.data import pipeline, sources, token_cache
+from andrea_jax.data import tokenizer as tokenizers
+from andrea_jax.data.token_cache import TokenSplit
+from andrea_jax.data.tokenizer import Tokenizer
+
+
+class EvalError(RuntimeError):
+    """A run that cannot be evaluated as asked; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    params: Any
+    step: int
+    config: ml_collections.ConfigDict  # vocab_size resolved
+    tokenizer: Tokenizer
+    mesh: Mesh
+
+
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config a run was trained with, from its config.json; EvalError when there is none."""
+    if not os.path.isdir(workdir):
+        raise EvalError(f"--workdir {workdir} does not exist; pass the directory train.py wrote")
+    saved = None
+    if os.path.exists(os.path.join(workdir, run_dir.CONFIG_FILE)):
+        saved = run_dir.load_saved_config(workdir)
+    if saved is None:
+        raise EvalError(f"{workdir} holds no {run_dir.CONFIG_FILE}; pass the directory train.py wrote, "
+                        f"or --config with the run's config file")
+    return saved
+
+
+def _mesh_for(config: ml_collections.ConfigDict) -> Mesh:
+    """The run's mesh if it fits the devices present, else every usable device on the data axis."""
+    try:
+        return sharding.make_mesh(config)
+    except ConfigError:
+        devices = jax.devices()
+        count = max(n for n in range(1, len(devices) + 1) if config.batch_size % n == 0)
+        fallback = ml_collections.ConfigDict(config.to_dict())
+        fallback.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+        fallback.microbatches = 1
+        mesh = sharding.make_mesh(fallback, devices[:count])
+        print(f"note: the run's mesh {dict(config.mesh)} does not fit the {len(devices)} device(s) here; "
+              f"evaluating on {sharding.describe(mesh)}", flush=True)
+        return mesh
+
+
+def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = None) -> Restored:
+    """The params of `step` (default: the newest readable), sharded over the devices present."""
+    workdir = os.fspath(workdir)
+    if not os.path.isdir(workdir):
+        raise EvalError(f"--workdir {workdir} does not exist; pass the directory train.py wrote")
+    tokenizer_path = os.path.join(workdir, pipeline.TOKENIZER_FILE)
+    if not os.path.isfile(tokenizer_path):
+        raise EvalError(f"{workdir} has no {pipeline.TOKENIZER_FILE}; pass the directory train.py wrote")
+    tokenizer = tokenizers.load(tokenizer_path)
+    config = ml_collections.ConfigDict(config.to_dict())
+    if config.model.vocab_size == 0:
+        config.model.vocab_size = tokenizer.vocab_size
+    validate(config)
+    directory = checkpoint.directory_of(workdir)
+    ckpt = checkpoint.Checkpointer(workdir, read_only=True) if os.path.isdir(directory) else None
+    try:
+        if ckpt is None or not ckpt.steps():
+            raise EvalError(f"no checkpoint in {directory} yet; train first (python train.py --workdir "
+                            f"{workdir} ...), a checkpoint is written every checkpoint_every steps and at the end")
+        mesh = _mesh_for(config)
+        axis_rules = sharding.rules(config)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
+            boxed = jax.eval_shape(partial(model.init_params, config.model), jax.random.key(0))
+            shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
+        abstract = {"params": checkpoint.abstract_like(sharding.unbox(boxed), shardings)}
+        state, meta = ckpt.restore(abstract, step=step, params_only=True, tokenizer_sha256=tokenizer.sha256,
+                                   model_config=config.model)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    return Restored(state["params"], int(meta["step"]), config, tokenizer, mesh)
+
+
+def validation_split(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> TokenSplit:
+    """The validation tokens of `config.data`, from the token cache (built if missing)."""
+    cache_dir = pipeline.cache_dir_of(config.data)
+    splits = sources.open_source(config.data, cache_dir)
+    directory = token_cache.cache_directory(cache_dir, splits.identity, tokenizer.sha256)
+    return token_cache.load_or_build(splits.val, tokenizer, directory, "val", splits.identity)
+
+
+@partial(jax.jit, static_argnums=3)
+def _loss_sum(params: Any, batch_BxLp1: jax.Array, weights_B: jax.Array,
+              model_config: ml_collections.FrozenConfigDict) -> jax.Array:
+    """Sum over rows of each row's mean next-token loss, rows weighted 0 (padding) or 1."""
+    inputs_BxL, targets_BxL = batch_BxLp1[:, :-1], batch_BxLp1[:, 1:]
+    logits_BxLxV = model.build(model_config).apply({"params": params}, inputs_BxL)
+    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
+    return jnp.sum(losses_BxL.mean(axis=1) * weights_B)
+
+
+def num_windows(num_tokens: int, seq_len: int) -> int:
+    """Consecutive, non-overlapping windows of seq_len + 1 tokens (sharing their edge tokens)."""
+    return max(0, (num_tokens - 1) // seq_len)
+
+
+def score(restored: Restored, split: TokenSplit, batches: int) -> dict:
+    """Loss, perplexity and bits per byte over the first `batches` batches (0 = every window)."""
+    config = restored.config
+    batch_size, seq_len = int(config.batch_size), int(config.seq_len)
+    available = num_windows(split.num_tokens, seq_len)
+    if available < 1:
+        raise EvalError(f"the validation split has {split.num_tokens} tokens, fewer than seq_len + 1 = "
+                        f"{seq_len + 1}; lower --config.seq_len")
+    windows = available if batches == 0 else min(available, batches * batch_size)
+    if 0 < batches and batches * batch_size > available:
+        print(f"note: the validation split has {available} windows, fewer than {batches} batches of "
+              f"{batch_size}; evaluating all of them", flush=True)
+    batch_sharding = sharding.batch_sharding(restored.mesh)
+    weight_sharding = NamedSharding(restored.mesh, P(sharding.BATCH_AXES))
+    frozen = ml_collections.FrozenConfigDict(config.model)
+    sums = []
+    with jax.set_mesh(restored.mesh), nn.logical_axis_rules(sharding.rules(config)):
+        for first in range(0, windows, batch_size):
+            count = min(batch_size, windows - first)
+            batch_BxLp1 = np.zeros((batch_size, seq_len + 1), np.int32)  # padding rows: window 0, weight 0
+            for row in range(count):
+                start = (first + row) * seq_len
+                batch_BxLp1[row] = split.tokens[start:start + seq_len + 1]
+            weights_B = (np.arange(batch_size) < count).astype(np.float32)
+            sums.append(_loss_sum(restored.params, jax.device_put(batch_BxLp1, batch_sharding),
+                                  jax.device_put(weights_B, weight_sharding), frozen))
+    loss = float(np.sum(np.asarray(jax.device_get(sums), np.float64)) / windows)
+    tokens = windows * seq_len
+    fraction = tokens / split.num_tokens
+    num_bytes = split.num_bytes * fraction  # the bytes the evaluated tokens stand for
+    return {
+        "step": restored.step, "split": "val", "loss": loss, "perplexity": math.exp(loss),
+        "bits_per_byte": loss * tokens / (num_bytes * math.log(2)),
+        "tokens": tokens, "bytes": num_bytes, "fraction_of_split": fraction,
+        "batches": -(-windows // batch_size), "batch_size": batch_size, "seq_len": seq_len,
+        "split_tokens": split.num_tokens, "split_bytes": split.num_bytes,
+        "mesh": sharding.describe(restored.mesh),
+    }
+
+
+def write_report(workdir: str, report: dict) -> str:
+    """eval_step<N>.json in the workdir, written atomically; returns its path."""
+    path = os.path.join(workdir, f"eval_step{report['step']}.json")
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(temporary, path)
+    return path
+
+
+def continue_text(restored: Restored, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int,
+                  top_p: float, seed: int) -> str:
+    """The prompt's continuation (KV-cached sampling), stopping at end-of-text."""
+    tokenizer, model_config = restored.tokenizer, restored.config.model
+    prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]  # "": a new document
+    room = int(model_config.max_len) - 1
+    if len(prompt_ids) > room:
+        print(f"note: the prompt has {len(prompt_ids)} tokens; keeping the last {room} "
+              f"(model.max_len={model_config.max_len})", flush=True)
+        prompt_ids = prompt_ids[-room:]
+    with jax.set_mesh(restored.mesh), nn.logical_axis_rules(sharding.rules(restored.config)):
+        new_ids = sampling.generate(restored.params, model_config, prompt_ids, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                    eot_id=tokenizer.eot_id)
+    return tokenizer.decode(new_ids)

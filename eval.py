@@ -1,0 +1,111 @@
+"""Evaluate a run: python eval.py --workdir runs/tiny [--step N] [--batches N] [--prompt "def "]
+
+Restores the params of the newest (or --step) checkpoint onto the devices present,
+reports validation loss, perplexity and bits per byte (also written to
+<workdir>/eval_step<N>.json) and, with --prompt, samples a continuation. The config
+is the run's own config.json; --config FILE replaces it, --config.x=y changes a key.
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by train.py")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest)")
+_BATCHES = flags.DEFINE_integer("batches", None, "Validation batches (default: config.eval_batches; 0 = all)")
+_PROMPT = flags.DEFINE_string("prompt", None, "Text to continue (\"\" = start a new document); none: no sample")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 200, "Most tokens to generate")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature (0 = greedy)")
+_TOP_K = flags.DEFINE_integer("top_k", 200, "Sample among the k likeliest tokens (0 = all)")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample among the likeliest tokens holding this mass (1 = all)")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed")
+flags.mark_flags_as_required(["workdir"])
+
+
+def _argument(argv: list[str], name: str) -> str | None:
+    """The value of --name in argv (before absl parses it)."""
+    for index, argument in enumerate(argv):
+        if argument == f"--{name}" and index + 1 < len(argv):
+            return argv[index + 1]
+        if argument.startswith(f"--{name}="):
+            return argument.split("=", 1)[1]
+    return None
+
+
+def _define_config_flag(argv: list[str]) -> None:
+    """--config is a file when given, else the workdir's config.json, so --config.x=y works on either."""
+    if _argument(argv, "config") is not None:
+        config_flags.DEFINE_config_file("config", None, "Config file replacing the run's config.json",
+                                        lock_config=False)
+        return
+    from andrea_jax import workdir as run_dir
+    from andrea_jax.config import ConfigError
+    import ml_collections
+    try:
+        workdir = _argument(argv, "workdir")
+        saved = run_dir.load_saved_config(workdir) if workdir and os.path.isdir(workdir) else None
+    except ConfigError:
+        saved = None  # main() reports it
+    config_flags.DEFINE_config_dict("config", saved or ml_collections.ConfigDict(), lock_config=False)
+
+
+def _check_sampling_flags() -> str | None:
+    if _MAX_NEW_TOKENS.value < 1:
+        return f"--max_new_tokens={_MAX_NEW_TOKENS.value} must be at least 1"
+    if _TEMPERATURE.value < 0:
+        return f"--temperature={_TEMPERATURE.value} must be >= 0 (0 = greedy)"
+    if _TOP_K.value < 0:
+        return f"--top_k={_TOP_K.value} must be >= 0 (0 = no top-k filter)"
+    if not 0 < _TOP_P.value <= 1:
+        return f"--top_p={_TOP_P.value} must be in (0, 1] (1 = no nucleus filter)"
+    if _BATCHES.value is not None and _BATCHES.value < 0:
+        return f"--batches={_BATCHES.value} must be >= 0 (0 = the whole split)"
+    return None
+
+
+def main(argv):
+    del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.ERROR)  # Orbax warns about read-only managers
+    workdir = _WORKDIR.value
+    # The cheap checks first: no JAX start-up to learn that a path is wrong.
+    problem = _check_sampling_flags()
+    if problem is None and not os.path.isdir(workdir):
+        problem = f"--workdir {workdir} does not exist; pass the directory train.py wrote"
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    from andrea_jax import checkpoint, evaluate
+    from andrea_jax.config import ConfigError
+    from andrea_jax.data import DataError
+    try:
+        if _argument(sys.argv, "config") is None:
+            evaluate.run_config(workdir)  # raises when the workdir holds no run
+        restored = evaluate.restore(workdir, flags.FLAGS.config, _STEP.value)
+        batches = restored.config.eval_batches if _BATCHES.value is None else _BATCHES.value
+        split = evaluate.validation_split(restored.config, restored.tokenizer)
+        report = evaluate.score(restored, split, batches)
+        path = evaluate.write_report(workdir, report)
+        print(f"step {report['step']}: val loss {report['loss']:.4f}, perplexity {report['perplexity']:.2f}, "
+              f"bits per byte {report['bits_per_byte']:.4f} over {report['tokens']:,} tokens "
+              f"({100 * report['fraction_of_split']:.1f}% of the split, {report['batches']} batches) "
+              f"on {report['mesh']}")
+        print(f"wrote {path}", flush=True)
+        if _PROMPT.value is not None:
+            text = evaluate.continue_text(restored, _PROMPT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
+                                          temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+                                          seed=_SEED.value)
+            print(f"--- sample (temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, top_p {_TOP_P.value}, "
+                  f"seed {_SEED.value}) ---")
+            print(_PROMPT.value + text, flush=True)
+    except (ConfigError, DataError, checkpoint.CheckpointError, evaluate.EvalError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    _define_config_flag(sys.argv)
+    app.run(main)

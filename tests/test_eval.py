@@ -1,0 +1,133 @@
+"""eval.py and andrea_jax/evaluate.py: a run trained on 8 devices, scored and sampled on 1 or 8."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from andrea_jax import checkpoint, evaluate, metrics, sampling, train_loop, train_step
+from andrea_jax.data import token_cache
+from tests.test_checkpoint import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny run trained on 8 devices over a (2, 2, 2) mesh; checkpoints at steps 5 and 10."""
+    tmp_path = tmp_path_factory.mktemp("eval")
+    config = tiny_config(tmp_path, steps=10, eval_every=5, eval_batches=2, peak_flops=1e12,
+                         **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    workdir = str(tmp_path / "run")
+    train_loop.train(config, workdir)
+    return workdir
+
+
+def run_eval(*args, devices=1):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+
+
+def val_manifest(workdir):
+    data = json.load(open(os.path.join(workdir, "data.json")))
+    return json.load(open(os.path.join(data["cache_directory"], "val.json")))
+
+
+def test_eval_py_on_one_device_reports_loss_perplexity_bits_per_byte_and_a_sample(trained):
+    result = run_eval("--workdir", trained, "--prompt", "the ", "--temperature", "0", "--max_new_tokens", "20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "step 10: val loss" in out and "perplexity" in out and "bits per byte" in out
+    assert "over 1 cpu device(s)" in out
+
+    report = json.load(open(os.path.join(trained, "eval_step10.json")))
+    # The same two validation batches the training loop scored at step 10 on 8 devices.
+    logged = [r["val_loss"] for r in metrics.read(trained) if r["step"] == 10 and "val_loss" in r]
+    assert report["loss"] == pytest.approx(logged[0], rel=1e-5)
+    assert report["tokens"] == 2 * 8 * 32 and report["batches"] == 2
+    assert report["perplexity"] == pytest.approx(math.exp(report["loss"]), rel=1e-12)
+    manifest = val_manifest(trained)
+    assert (report["split_tokens"], report["split_bytes"]) == (manifest["num_tokens"], manifest["num_bytes"])
+    evaluated_bytes = manifest["num_bytes"] * report["tokens"] / manifest["num_tokens"]
+    assert report["bits_per_byte"] == pytest.approx(
+        report["loss"] * report["tokens"] / (evaluated_bytes * math.log(2)), rel=1e-12)
+    assert 0.5 < report["bits_per_byte"] < 8  # a char model early in training: a few bits a byte
+
+    sample = out.split("--- sample (temperature 0.0, top_k 200, top_p 1.0, seed 0) ---\n")[1].rstrip("\n")
+    assert sample.startswith("the ") and 4 < len(sample) <= 4 + 20  # one character a token
+
+
+def test_whole_split_and_an_older_step(trained):
+    config = evaluate.run_config(trained)
+    restored = evaluate.restore(trained, config, step=5)
+    assert restored.step == 5 and restored.mesh.devices.size == 8
+    split = evaluate.validation_split(restored.config, restored.tokenizer)
+    report = evaluate.score(restored, split, batches=0)
+
+    windows = (split.num_tokens - 1) // 32
+    assert windows % 8, "the split should end in a partial batch, to test the padding rows"
+    assert report["tokens"] == windows * 32 and report["batches"] == -(-windows // 8)
+    assert report["fraction_of_split"] == pytest.approx(windows * 32 / split.num_tokens)
+    # Independently: every window in one unsharded batch.
+    windows_NxLp1 = np.stack([split.tokens[i * 32:i * 32 + 33] for i in range(windows)]).astype(np.int32)
+    params = jax.device_get(restored.params)
+    expected = float(jax.jit(train_step.cross_entropy, static_argnums=1)(
+        params, ml_collections.FrozenConfigDict(restored.config.model), windows_NxLp1, None))
+    assert report["loss"] == pytest.approx(expected, rel=1e-5)
+    newest = evaluate.score(evaluate.restore(trained, config), split, batches=0)
+    assert newest["step"] == 10 and newest["loss"] < report["loss"]
+
+
+def test_greedy_sample_follows_the_model(trained):
+    restored = evaluate.restore(trained, evaluate.run_config(trained))
+    text = evaluate.continue_text(restored, "the ", max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0,
+                                  seed=0)
+    tokenizer = restored.tokenizer
+    reference = sampling.greedy_without_cache(jax.device_get(restored.params), restored.config.model,
+                                              tokenizer.encode("the "), 12)
+    if tokenizer.eot_id in reference:
+        reference = reference[:reference.index(tokenizer.eot_id)]
+    assert text == tokenizer.decode(reference)
+
+
+def test_missing_workdir_and_bad_flags_fail_with_one_line(tmp_path):
+    for args, message in [
+        (["--workdir", str(tmp_path / "nowhere")], f"--workdir {tmp_path / 'nowhere'} does not exist"),
+        (["--workdir", str(tmp_path), "--top_p", "0"], "--top_p=0.0 must be in (0, 1]"),
+    ]:
+        result = run_eval(*args)
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [f"error: {result.stderr.strip()[7:]}"]
+        assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_step_that_does_not_exist_fails_with_one_line_and_writes_nothing(trained):
+    before = sorted(os.listdir(trained))
+    result = run_eval("--workdir", trained, "--step", "7")
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: no checkpoint for step 7 in {trained}/checkpoints; available steps: 5, 10"]
+    assert "Traceback" not in result.stderr
+    assert sorted(os.listdir(trained)) == before
+
+
+def test_a_run_without_checkpoints_or_config(trained, tmp_path):
+    workdir = tmp_path / "fresh"
+    workdir.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(os.path.join(trained, name), workdir / name)
+    with pytest.raises(evaluate.EvalError, match="no checkpoint in .*fresh/checkpoints yet; train first"):
+        evaluate.restore(str(workdir), evaluate.run_config(str(workdir)))
+    (workdir / "config.json").unlink()
+    with pytest.raises(evaluate.EvalError, match="holds no config.json; pass the directory train.py wrote"):
+        evaluate.run_config(str(workdir))
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint for step 3 .*available steps: 5, 10"):
+        evaluate.restore(trained, evaluate.run_config(trained), step=3)
