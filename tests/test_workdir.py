@@ -1,0 +1,133 @@
+"""The workdir guards: a run's config and tokenizer, foreign directories, damaged checkpoints."""
+
+import json
+import os
+import shutil
+
+import jax
+import pytest
+
+from andrea_jax import checkpoint, metrics, train_loop
+from andrea_jax import workdir as run_dir
+from andrea_jax.config import ConfigError, base_config
+from andrea_jax.data import DataError
+from andrea_jax.data import tokenizer as tokenizers
+from tests.test_checkpoint import tiny_config
+
+
+def snapshot(workdir):
+    """Every file under the workdir with its content (tensorboard events aside: they name the host)."""
+    files = {}
+    for root, _, names in os.walk(workdir):
+        if "tensorboard" in root:
+            continue
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, workdir)] = f.read()
+    return files
+
+
+def test_new_empty_foreign_and_broken_directories(tmp_path):
+    assert run_dir.load_saved_config(str(tmp_path / "new")) is None
+    assert run_dir.load_saved_config(str(tmp_path)) is None  # empty
+    (tmp_path / "notes.txt").write_text("someone else's")
+    with pytest.raises(ConfigError, match="is not empty and holds no andrea-jax run .*pick an empty or new"):
+        run_dir.load_saved_config(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"project": "other", "config": {}}))
+    with pytest.raises(ConfigError, match="was not written by andrea-jax; use a new --workdir"):
+        run_dir.load_saved_config(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"project": "andrea-jax", "con')
+    with pytest.raises(ConfigError, match="config.json is unreadable .*restore it or use a new --workdir"):
+        run_dir.load_saved_config(str(tmp_path))
+
+
+def test_save_config_round_trip_and_compatibility(tmp_path):
+    config = base_config()
+    run_dir.save_config(str(tmp_path), config)
+    assert os.listdir(tmp_path) == ["config.json"]  # the temporary file is renamed, not left
+    saved = run_dir.load_saved_config(str(tmp_path))
+    assert saved.to_dict() == json.loads(config.to_json())
+
+    changed = base_config()
+    changed.steps, changed.optimizer.learning_rate = 5, 1e-4  # not shapes: fine to change on resume
+    run_dir.check_compatible(saved, changed, str(tmp_path))
+    changed.model.vocab_size = 0  # not resolved yet: checked later
+    run_dir.check_compatible(saved, changed, str(tmp_path))
+    changed.model.d_model = 512
+    with pytest.raises(ConfigError, match="model.d_model=768, not 512; pass --config.model.d_model=768"):
+        run_dir.check_compatible(saved, changed, str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny run on one device; checkpoints at steps 5 and 10."""
+    tmp_path = tmp_path_factory.mktemp("workdir")
+    config = tiny_config(tmp_path, steps=10, eval_every=5, peak_flops=1e12)
+    workdir = str(tmp_path / "run")
+    train_loop.train(config, workdir, devices=jax.devices()[:1])
+    return config, workdir
+
+
+@pytest.fixture
+def copy_of(trained, tmp_path):
+    config, workdir = trained
+    copy = str(tmp_path / "run")
+    shutil.copytree(workdir, copy)
+    return config.copy_and_resolve_references(), copy
+
+
+@pytest.mark.parametrize("override, error, message", [
+    ({"model.d_model": 32}, ConfigError, "holds a run with model.d_model=64, not 32; pass --config.model.d_model=64"),
+    ({"model.n_layer": 3}, ConfigError, "model.n_layer=2, not 3"),
+    ({"data.tokenizer": "byte"}, DataError, "is a char tokenizer but data.tokenizer='byte'"),
+])
+def test_a_changed_model_or_tokenizer_is_refused_and_nothing_is_touched(copy_of, override, error, message):
+    config, workdir = copy_of
+    config.update_from_flattened_dict(override)
+    before = snapshot(workdir)
+    with pytest.raises(error, match=message):
+        train_loop.train(config, workdir, devices=jax.devices()[:1])
+    assert snapshot(workdir) == before
+
+
+def test_a_swapped_tokenizer_is_refused(copy_of):
+    # (A tokenizer of the same size but other ids is refused by the checkpoints' tokenizer
+    # hash: see test_checkpoint; a char tokenizer that still encodes the corpus differs in size.)
+    config, workdir = copy_of
+    path = os.path.join(workdir, "tokenizer.json")
+    original = tokenizers.load(path)
+    tokenizers.CharTokenizer(original.chars + ["\u00e9"]).save(path)
+    before = {name: content for name, content in snapshot(workdir).items() if name != "data.json"}
+    with pytest.raises(ConfigError, match=f"holds a run with model.vocab_size={original.vocab_size}, not "
+                                          f"{original.vocab_size + 1}"):
+        train_loop.train(config, workdir, devices=jax.devices()[:1])
+    after = {name: content for name, content in snapshot(workdir).items() if name != "data.json"}
+    assert after == before  # config.json, metrics and checkpoints as they were
+
+
+def test_a_directory_of_another_project_is_refused(tmp_path):
+    workdir = tmp_path / "theirs"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(json.dumps({"project": "nanogpt", "config": {}}))
+    with pytest.raises(ConfigError, match="was not written by andrea-jax"):
+        train_loop.train(tiny_config(tmp_path), str(workdir), devices=jax.devices()[:1])
+    assert os.listdir(workdir) == ["config.json"]
+
+
+def test_a_corrupted_newest_checkpoint_falls_back_and_retrains_the_same_steps(copy_of, trained, capsys):
+    config, workdir = copy_of
+    step_10 = os.path.join(workdir, "checkpoints", "10")
+    for root, _, names in os.walk(os.path.join(step_10, "opt_state")):
+        for name in names:
+            if os.sep + "d" in root:
+                os.truncate(os.path.join(root, name), 3)
+    train_loop.train(config, workdir, devices=jax.devices()[:1])
+    out = capsys.readouterr().out
+    assert "checkpoint step 10 in" in out and "is unreadable" in out and "falling back to step 5" in out
+    assert "resumed from step 5 of" in out
+    assert os.path.isdir(os.path.join(workdir, checkpoint.UNREADABLE_DIR, "10"))  # kept, not deleted
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "5"]
+    timing = ("tokens_per_second", "mfu")
+    strip = lambda records: [{k: v for k, v in r.items() if k not in timing} for r in records]
+    assert strip(metrics.read(workdir)) == strip(metrics.read(trained[1]))  # steps 6..10 again, identical
