@@ -1,0 +1,450 @@
+"""Hugging Face GPT-2 format out and in: share a run, or start one from GPT-2 weights.
+
+  python -m andrea_jax.hf_export export --workdir runs/tiny --out runs/tiny_hf [--step N] [--overwrite]
+  python -m andrea_jax.hf_export import --hf DIR_OR_CKPT --workdir runs/ft [--config configs/tiny.py]
+
+The architecture is GPT-2's, so both directions are exact: an export is a
+`GPT2LMHeadModel` directory (config.json, model.safetensors, tokenizer files)
+that `transformers` loads with the same logits; an import is a workdir
+(config.json, tokenizer.json, an Orbax checkpoint at step 0) that train.py
+fine-tunes and eval.py evaluates. Both are built beside the target and renamed
+into place, so a failure leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Mapping
+
+import ml_collections
+import numpy as np
+
+from andrea_jax import interop, model
+from andrea_jax import workdir as run_dir
+from andrea_jax.config import ConfigError, base_config, validate
+from andrea_jax.data import DataError
+from andrea_jax.data import tokenizer as tokenizers
+from andrea_jax.data.tokenizer import END_OF_TEXT, Tokenizer
+
+WEIGHTS_FILE = "model.safetensors"
+HF_CONFIG_FILE = "config.json"
+HF_TOKENIZER_FILE = "tokenizer.json"
+# Our own tokenizer.json beside the HF one: an import gets the exact byte or char tokenizer back.
+ANDREA_TOKENIZER_FILE = "andrea_tokenizer.json"
+# Written into an imported workdir: `train.py --config <workdir>/run_config.py` resumes it as saved.
+RUN_CONFIG_FILE = "run_config.py"
+# GPT-2 activations that are the tanh GELU this model uses.
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+# nanoGPT keeps nn.Linear weights (out, in); GPT-2's Conv1D and our kernels are (in, out).
+_LINEAR_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class ExportError(RuntimeError):
+    """An export or import that cannot be done as asked; the message names the fix."""
+
+
+# ---------------------------------------------------------------- export
+
+def hf_config(model_config: ml_collections.ConfigDict, eot_id: int, mlp_width: int) -> dict:
+    """config.json of the equivalent transformers GPT2LMHeadModel."""
+    m = model_config
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": int(m.vocab_size),  # padding rows are cut
+        "n_positions": int(m.max_len), "n_ctx": int(m.max_len),
+        "n_embd": int(m.d_model), "n_layer": int(m.n_layer), "n_head": int(m.n_head), "n_inner": int(mlp_width),
+        "activation_function": "gelu_new",  # the tanh approximation, as in model.MLP
+        "layer_norm_epsilon": float(m.layer_norm_epsilon),
+        "resid_pdrop": float(m.dropout), "embd_pdrop": float(m.dropout), "attn_pdrop": float(m.dropout),
+        "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "use_cache": True, "tie_word_embeddings": True,
+        "bos_token_id": int(eot_id), "eos_token_id": int(eot_id), "dtype": "float32",
+    }
+
+
+def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
+    """The tokenizer as a HF `tokenizers` file giving the same ids; ExportError when it cannot."""
+    if tokenizer.kind == "bpe":
+        return tokenizer.to_json()  # already a HF tokenizers file
+    from tokenizers import Tokenizer as HfTokenizer, decoders, models, pre_tokenizers
+
+    if tokenizer.kind == "byte":
+        # Byte-level BPE without merges: every byte is its own token, id = byte value.
+        vocab = {char: byte for byte, char in tokenizers.byte_to_char().items()}
+        hf = HfTokenizer(models.BPE(vocab=vocab, merges=[]))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        hf.decoder = decoders.ByteLevel()
+        probe = "byte tokens: é, ü, 日本, \t\n and emoji 🙂"
+    elif tokenizer.kind == "char":
+        # BPE without merges or pre-tokenizer: every character is its own token.
+        hf = HfTokenizer(models.BPE(vocab={c: i for i, c in enumerate(tokenizer.chars)}, merges=[]))
+        hf.decoder = decoders.Fuse()
+        probe = "".join(tokenizer.chars) + "".join(reversed(tokenizer.chars))
+    else:
+        raise ExportError(f"a {tokenizer.kind!r} tokenizer has no Hugging Face form; "
+                          f"train with data.tokenizer='bpe', 'byte' or 'char'")
+    hf.add_special_tokens([END_OF_TEXT])
+    if hf.token_to_id(END_OF_TEXT) != tokenizer.eot_id or \
+            hf.encode(probe, add_special_tokens=False).ids != tokenizer.encode(probe):
+        raise ExportError(f"the {tokenizer.kind} tokenizer could not be rebuilt exactly in Hugging Face "
+                          f"form; share the weights with {ANDREA_TOKENIZER_FILE} instead")
+    return hf.to_str()
+
+
+def _tokenizer_config(model_config: ml_collections.ConfigDict) -> dict:
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(model_config.max_len),
+            "bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT, "unk_token": END_OF_TEXT,
+            "add_prefix_space": False, "clean_up_tokenization_spaces": False}
+
+
+def write_hf(out: str, params: Mapping, model_config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> None:
+    """Writes a GPT2LMHeadModel directory into `out` (which must exist)."""
+    from safetensors.numpy import save_file
+
+    state_dict = interop.to_gpt2(params, model_config)
+    mlp_width = state_dict[interop.PREFIX + "h.0.mlp.c_fc.weight"].shape[1]
+    # Tied: transformers ties lm_head to wte on load, as its own save_pretrained files expect.
+    del state_dict["lm_head.weight"]
+    save_file(state_dict, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt"})
+    files = {
+        HF_CONFIG_FILE: json.dumps(hf_config(model_config, tokenizer.eot_id, mlp_width), indent=2),
+        HF_TOKENIZER_FILE: hf_tokenizer_json(tokenizer),
+        "tokenizer_config.json": json.dumps(_tokenizer_config(model_config), indent=2),
+        "special_tokens_map.json": json.dumps({k: END_OF_TEXT for k in ("bos_token", "eos_token", "unk_token")}),
+    }
+    if tokenizer.kind != "bpe":
+        files[ANDREA_TOKENIZER_FILE] = tokenizer.to_json()
+    for name, text in files.items():
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def export(workdir: str, out: str, step: int | None = None, overwrite: bool = False) -> str:
+    """The newest (or `step`) checkpoint of a run -> a Hugging Face GPT-2 directory; returns `out`."""
+    from andrea_jax import evaluate
+
+    _check_output(out, overwrite, "--out", keep=workdir)
+    config = evaluate.run_config(workdir)
+    ablations = model.non_gpt2_features(config.model)
+    if ablations:
+        raise ExportError(f"{workdir} trained a model that is not GPT-2's ({'; '.join(ablations)}), so "
+                          f"GPT2LMHeadModel cannot hold it; export a run with the default architecture")
+    restored = evaluate.restore(workdir, config, step)
+    params = _host(restored.params)
+    with _staged(out) as staging:
+        write_hf(staging, params, restored.config.model, restored.tokenizer)
+    print(f"exported step {restored.step} of {workdir} to {out}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- import
+
+def read_state_dict(path: str) -> tuple[dict[str, np.ndarray], dict]:
+    """A GPT-2 checkpoint -> (state dict in HF GPT2LMHeadModel names, HF-style config dict).
+
+    `path` is a transformers GPT-2 directory (config.json + model.safetensors or
+    pytorch_model.bin) or a nanoGPT `ckpt.pt` ({"model": ..., "model_args": ...}).
+    """
+    if os.path.isfile(path):
+        return _read_nanogpt(path)
+    config_path = os.path.join(path, HF_CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ExportError(f"{path} has no {HF_CONFIG_FILE}; pass a Hugging Face GPT-2 directory "
+                          f"(config.json + model.safetensors) or a nanoGPT ckpt.pt")
+    with open(config_path, encoding="utf-8") as f:
+        hf = json.load(f)
+    _check_gpt2(hf, path)
+    state_dict = _read_weights(path)
+    if not any(k.startswith(interop.PREFIX) for k in state_dict):
+        # GPT2Model files (e.g. openai-community/gpt2) name the body without the prefix.
+        state_dict = {(k if k.startswith("lm_head.") else interop.PREFIX + k): v for k, v in state_dict.items()}
+    return state_dict, hf
+
+
+def _check_gpt2(hf: dict, where: str) -> None:
+    architectures = hf.get("architectures") or []
+    if hf.get("model_type") != "gpt2" or any(a not in ("GPT2LMHeadModel", "GPT2Model") for a in architectures):
+        found = ", ".join(architectures) or hf.get("model_type") or "unknown"
+        raise ExportError(f"{where} holds a {found} model, not GPT-2; only GPT2LMHeadModel checkpoints "
+                          f"have this architecture, pass one of those")
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in TANH_GELUS:
+        raise ExportError(f"{where} uses activation_function={activation!r}; this model computes the tanh "
+                          f"GELU ({', '.join(TANH_GELUS)}), so its logits would differ; pick a GPT-2 with gelu_new")
+    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        raise ExportError(f"{where} scales attention differently from GPT-2 (scale_attn_weights / "
+                          f"scale_attn_by_inverse_layer_idx); pick a checkpoint with GPT-2's defaults")
+    if hf.get("tie_word_embeddings", True) is False:
+        raise ExportError(f"{where} has an untied output matrix (tie_word_embeddings=false); this model ties "
+                          f"it to the token embedding, pick a tied checkpoint")
+
+
+def _read_weights(path: str) -> dict[str, np.ndarray]:
+    index = os.path.join(path, WEIGHTS_FILE + ".index.json")
+    if os.path.isfile(os.path.join(path, WEIGHTS_FILE)) or os.path.isfile(index):
+        from safetensors.flax import load_file  # reads bfloat16 too, which NumPy cannot
+
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = [WEIGHTS_FILE]
+        state_dict = {}
+        for name in files:
+            state_dict.update(load_file(os.path.join(path, name)))
+        return {k: np.asarray(v, np.float32) for k, v in state_dict.items()}
+    bin_path = os.path.join(path, "pytorch_model.bin")
+    if os.path.isfile(bin_path):
+        return {k: v.float().numpy() for k, v in _torch_load(bin_path).items()}
+    raise ExportError(f"{path} has neither {WEIGHTS_FILE} nor pytorch_model.bin; pass a complete "
+                      f"Hugging Face GPT-2 directory")
+
+
+def _torch_load(path: str) -> dict:
+    try:
+        import torch
+    except ImportError:
+        raise ExportError(f"reading {path} needs PyTorch; pip install torch (the CPU build is enough), "
+                          f"or convert it to safetensors") from None
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _read_nanogpt(path: str) -> tuple[dict[str, np.ndarray], dict]:
+    checkpoint = _torch_load(path)
+    if not isinstance(checkpoint, dict) or "model" not in checkpoint or "model_args" not in checkpoint:
+        raise ExportError(f"{path} is not a nanoGPT checkpoint (a dict with 'model' and 'model_args'); "
+                          f"pass one, or a Hugging Face GPT-2 directory")
+    args = checkpoint["model_args"]
+    state_dict = {}
+    for key, value in checkpoint["model"].items():
+        key = key.removeprefix("_orig_mod.")  # torch.compile's wrapper
+        array = value.float().numpy()
+        state_dict[key] = array.T if key.endswith(_LINEAR_SUFFIXES) else array
+    # nanoGPT's bias=False drops every bias; zeros are the same model.
+    for key in [k for k in state_dict if k.endswith(".weight") and ("ln_" in k or k.endswith(_LINEAR_SUFFIXES))]:
+        bias = key[:-len("weight")] + "bias"
+        state_dict.setdefault(bias, np.zeros(state_dict[key].shape[-1], np.float32))
+    print("note: nanoGPT uses the exact (erf) GELU and this model the tanh one; the logits differ slightly "
+          "until fine-tuning", flush=True)
+    hf = {"model_type": "gpt2", "n_layer": args["n_layer"], "n_head": args["n_head"], "n_embd": args["n_embd"],
+          "n_positions": args["block_size"], "vocab_size": args["vocab_size"], "layer_norm_epsilon": 1e-5}
+    return state_dict, hf
+
+
+def model_overrides(state_dict: Mapping[str, np.ndarray], hf: dict) -> dict:
+    """The model config keys a GPT-2 checkpoint fixes (shapes from the weights themselves)."""
+    p = interop.PREFIX
+    wte = state_dict[p + "wte.weight"]
+    return {
+        "n_layer": len({k.split(".")[2] for k in state_dict if k.startswith(p + "h.")}),
+        "d_model": int(wte.shape[1]), "n_head": int(hf["n_head"]),
+        "mlp_dim": int(state_dict[p + "h.0.mlp.c_fc.weight"].shape[1]),
+        "vocab_size": int(wte.shape[0]), "max_len": int(state_dict[p + "wpe.weight"].shape[0]),
+        "layer_norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
+    }
+
+
+def load_gpt2(path: str, model_config: ml_collections.ConfigDict | None = None) -> tuple[dict, dict]:
+    """A GPT-2 checkpoint -> (params, model config overrides).
+
+    The overrides (n_layer, d_model, ... from the checkpoint) go on top of
+    `model_config` (default: base_config().model), whose other keys
+    (scan_layers, vocab_pad_multiple, dtype) decide the params' layout.
+    """
+    state_dict, hf = read_state_dict(path)
+    if interop.PREFIX + "wte.weight" not in state_dict:
+        raise ExportError(f"{path} has no token embedding ({interop.PREFIX}wte.weight); pass a GPT-2 checkpoint")
+    overrides = model_overrides(state_dict, hf)
+    m = ml_collections.ConfigDict((model_config or base_config().model).to_dict())
+    m.update(overrides)
+    return interop.from_gpt2(state_dict, m), overrides
+
+
+def load_tokenizer(path: str, tokenizer_path: str | None = None) -> Tokenizer:
+    """The checkpoint's tokenizer: --tokenizer, else our own file, tokenizer.json, or vocab.json + merges.txt."""
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    candidates = [tokenizer_path] if tokenizer_path else [
+        os.path.join(directory, ANDREA_TOKENIZER_FILE), os.path.join(directory, HF_TOKENIZER_FILE)]
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return tokenizers.load(candidate)
+    vocab, merges = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
+    if not tokenizer_path and os.path.isfile(vocab) and os.path.isfile(merges):
+        from tokenizers import Tokenizer as HfTokenizer, decoders, models, pre_tokenizers
+
+        hf = HfTokenizer(models.BPE.from_file(vocab, merges))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        hf.add_special_tokens([END_OF_TEXT])
+        return tokenizers.BpeTokenizer(hf)
+    raise ExportError(f"no tokenizer found for {path} ({tokenizer_path or 'tokenizer.json, vocab.json + merges.txt'}); "
+                      f"pass --tokenizer with the tokenizer.json it was trained with")
+
+
+def _fit_vocab(params: dict, overrides: dict, tokenizer: Tokenizer, model_config: ml_collections.ConfigDict):
+    """Cuts embedding rows no token can reach (nanoGPT pads GPT-2's 50257 to 50304)."""
+    rows = overrides["vocab_size"]
+    if tokenizer.vocab_size == rows:
+        return params, overrides
+    if tokenizer.vocab_size > rows:
+        raise ExportError(f"the tokenizer has {tokenizer.vocab_size} entries but the embedding only {rows} rows; "
+                          f"pass the tokenizer the model was trained with (--tokenizer)")
+    print(f"note: keeping the first {tokenizer.vocab_size} of {rows} embedding rows (the tokenizer's entries)",
+          flush=True)
+    overrides = {**overrides, "vocab_size": tokenizer.vocab_size}
+    m = ml_collections.ConfigDict(model_config.to_dict())
+    m.update(overrides)
+    sd = interop.to_gpt2(params, ml_collections.ConfigDict({**m.to_dict(), "vocab_size": rows}))
+    sd = {**sd, interop.PREFIX + "wte.weight": sd[interop.PREFIX + "wte.weight"][:tokenizer.vocab_size]}
+    return interop.from_gpt2(sd, m), overrides
+
+
+def import_run(path: str, workdir: str, config: ml_collections.ConfigDict | None = None,
+               tokenizer_path: str | None = None, overwrite: bool = False) -> ml_collections.ConfigDict:
+    """A GPT-2 checkpoint -> a new workdir at step 0 that train.py and eval.py take; returns its config.
+
+    `config` (default: base_config()) gives everything but the model's shape: data,
+    optimizer, steps; seq_len is lowered to the checkpoint's context if longer.
+    """
+    _check_output(workdir, overwrite, "--workdir", keep=path)
+    config = ml_collections.ConfigDict((config or base_config()).to_dict())
+    params, overrides = load_gpt2(path, config.model)
+    tokenizer = load_tokenizer(path, tokenizer_path)
+    params, overrides = _fit_vocab(params, overrides, tokenizer, config.model)
+    config.model.update(overrides)
+    if "mlp_ratio" in config.model:
+        config.model.mlp_ratio = 0.0  # the width is the checkpoint's mlp_dim
+    ablations = model.non_gpt2_features(config.model)
+    if ablations:
+        raise ExportError(f"the config sets {'; '.join(ablations)}, but a GPT-2 checkpoint needs GPT-2's "
+                          f"architecture; leave those keys at their defaults")
+    config.seq_len = min(int(config.seq_len), int(config.model.max_len))
+    config.data.tokenizer = tokenizer.kind
+    validate(config)
+    with _staged(workdir) as staging:
+        write_run(staging, params, config, tokenizer)
+    print(f"imported {path} into {workdir} (step 0); fine-tune with: python train.py --config "
+          f"{os.path.join(workdir, RUN_CONFIG_FILE)} --workdir {workdir} --config.steps=N", flush=True)
+    return config
+
+
+def write_run(workdir: str, params: Mapping, config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> None:
+    """A workdir as train.py leaves it at step 0: config.json, tokenizer.json, checkpoint, run_config.py."""
+    import jax
+
+    from andrea_jax import checkpoint, optimizer
+    from andrea_jax.data import pipeline
+
+    run_dir.save_config(workdir, config)
+    tokenizer.save(os.path.join(workdir, pipeline.TOKENIZER_FILE))
+    params = jax.tree.map(jax.numpy.asarray, params)
+    state = {"params": params, "opt_state": optimizer.make(config).init(params)}  # fresh moments
+    saver = checkpoint.Checkpointer(workdir, keep=int(config.keep_checkpoints))
+    try:
+        saver.save(0, state, {"tokenizer_sha256": tokenizer.sha256, "config": config.to_dict()})
+    finally:
+        saver.close()
+    with open(os.path.join(workdir, RUN_CONFIG_FILE), "w", encoding="utf-8") as f:
+        f.write(f'"""The config of the run in this directory, as saved in {run_dir.CONFIG_FILE}: '
+                f'pass it to train.py --config."""\n\nimport json\nimport os\n\nimport ml_collections\n\n\n'
+                f'def get_config():\n'
+                f'    with open(os.path.join(os.path.dirname(__file__), "{run_dir.CONFIG_FILE}")) as f:\n'
+                f'        return ml_collections.ConfigDict(json.load(f)["config"])\n')
+
+
+# ---------------------------------------------------------------- shared
+
+def _host(tree):
+    if isinstance(tree, Mapping):
+        return {k: _host(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def _check_output(out: str, overwrite: bool, flag: str, keep: str | None = None) -> None:
+    """Refuses a non-empty target without --overwrite, and never replaces the run it reads."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(f"{flag} {out} is a file; pass a directory path")
+    if keep is not None:
+        target, source = os.path.realpath(out), os.path.realpath(keep)
+        if source == target or source.startswith(target + os.sep):
+            raise ExportError(f"{flag} {out} would replace its own source {keep}; pass another directory")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise ExportError(f"{flag} {out} exists and is not empty; pass --overwrite to replace it, "
+                          f"or pick a new directory")
+
+
+class _staged:
+    """A scratch directory beside `target`, renamed onto it only when the block succeeds."""
+
+    def __init__(self, target: str):
+        self.target = os.path.abspath(target)
+        self.staging = f"{self.target}.tmp{os.getpid()}"
+
+    def __enter__(self) -> str:
+        shutil.rmtree(self.staging, ignore_errors=True)
+        os.makedirs(self.staging)
+        return self.staging
+
+    def __exit__(self, exc_type, *rest) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            return
+        if os.path.isdir(self.target):
+            shutil.rmtree(self.target)  # _check_output allowed it: empty, or --overwrite
+        os.replace(self.staging, self.target)
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """get_config() of a config file such as configs/tiny.py."""
+    import importlib.util
+
+    if not os.path.isfile(path):
+        raise ExportError(f"--config {path} does not exist; pass a config file such as configs/tiny.py")
+    spec = importlib.util.spec_from_file_location("andrea_import_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m andrea_jax.hf_export",
+                                     description="Hugging Face GPT-2 format out of and into andrea-jax runs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    out = commands.add_parser("export", help="a run's checkpoint -> a GPT2LMHeadModel directory")
+    out.add_argument("--workdir", required=True, help="run directory written by train.py")
+    out.add_argument("--out", required=True, help="directory to write (config.json, model.safetensors, ...)")
+    out.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    out.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    into = commands.add_parser("import", help="a GPT-2 checkpoint -> a new workdir at step 0")
+    into.add_argument("--hf", required=True, help="Hugging Face GPT-2 directory, or a nanoGPT ckpt.pt")
+    into.add_argument("--workdir", required=True, help="new run directory to write")
+    into.add_argument("--config", default=None, help="config file for everything but the model's shape "
+                                                     "(data, optimizer, steps), e.g. configs/tiny.py")
+    into.add_argument("--tokenizer", default=None, help="tokenizer.json, when the checkpoint has none")
+    into.add_argument("--overwrite", action="store_true", help="replace a non-empty --workdir")
+    args = parser.parse_args(argv)
+
+    from absl import logging
+    logging.set_verbosity(logging.ERROR)  # Orbax's info lines hide the result
+    from andrea_jax import checkpoint, evaluate
+    try:
+        if args.command == "export":
+            export(args.workdir, args.out, args.step, args.overwrite)
+        else:
+            if not os.path.exists(args.hf):
+                raise ExportError(f"--hf {args.hf} does not exist; pass a Hugging Face GPT-2 directory "
+                                  f"or a nanoGPT ckpt.pt")
+            config = load_config_file(args.config) if args.config else None
+            import_run(args.hf, args.workdir, config, args.tokenizer, args.overwrite)
+    except (ExportError, ConfigError, DataError, ValueError, checkpoint.CheckpointError,
+            evaluate.EvalError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""A run at a glance: python -m andrea_jax.plotting --workdir runs/tiny
+
+Draws four panels from the workdir's metrics.jsonl into <workdir>/metrics.png:
+training and validation loss (log scale, where the early drop and the late
+slope both show), learning rate, tokens per second, and gradient norm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from andrea_jax import metrics
+
+PLOT_FILE = "metrics.png"
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of `key`, finite numbers only (a non-finite value is logged as a string)."""
+    steps, values = [], []
+    for record in records:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            steps.append(int(record["step"]))
+            values.append(float(value))
+    return steps, values
+
+
+def _plain_log_ticks(axis, ticker) -> None:
+    """Log-scale ticks labelled 2, 3, 5 rather than 2×10⁰: a loss curve spans about a decade."""
+    axis.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)))
+    axis.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    axis.yaxis.set_minor_formatter(ticker.NullFormatter())
+
+
+def plot_run(workdir: str, path: str | None = None) -> str:
+    """Writes the run's curves to `path` (default <workdir>/metrics.png) and returns the path."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only: works headless and inside notebooks alike
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    records = metrics.read(workdir)
+    train_steps, train_loss = series(records, "loss")
+    if not train_steps:
+        where = os.path.join(workdir, metrics.METRICS_FILE)
+        raise ValueError(f"{where} holds no training records yet; train first "
+                         f"(python train.py --workdir {workdir} ...), one is written every log_every steps")
+    val_steps, val_loss = series(records, "val_loss")
+
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    loss_axis, lr_axis, speed_axis, grad_axis = axes.ravel()
+    loss_axis.plot(train_steps, train_loss, label="train", color="tab:blue")
+    if val_steps:
+        loss_axis.plot(val_steps, val_loss, "o-", label="validation", color="tab:orange")
+        best = min(range(len(val_loss)), key=val_loss.__getitem__)
+        loss_axis.annotate(f"{val_loss[best]:.3f}", (val_steps[best], val_loss[best]),
+                           textcoords="offset points", xytext=(0, 8), ha="center", color="tab:orange")
+    loss_axis.set(title="loss", ylabel="cross-entropy (nats per token, log scale)", yscale="log")
+    loss_axis.legend()
+
+    for axis, key, title, ylabel, log in (
+            (lr_axis, "lr", "learning rate", "learning rate", False),
+            (speed_axis, "tokens_per_second", "throughput", "tokens / s", False),
+            (grad_axis, "grad_norm", "gradient norm (before clipping)", "global L2 norm (log scale)", True)):
+        steps, values = series(records, key)
+        axis.plot(steps, values, color="tab:green" if key == "lr" else "tab:purple")
+        axis.set(title=title, ylabel=ylabel)
+        if log and values and min(values) > 0:
+            axis.set_yscale("log")
+    for axis in axes.ravel():
+        if axis.get_yscale() == "log":
+            _plain_log_ticks(axis, ticker)
+        axis.grid(True, which="both", alpha=0.3)
+    for axis in axes[1]:
+        axis.set_xlabel("step")
+    figure.suptitle(f"{os.path.basename(os.path.abspath(workdir))}: {train_steps[-1]} steps, "
+                    f"last train loss {train_loss[-1]:.3f}"
+                    + (f", last val loss {val_loss[-1]:.3f}" if val_loss else ""))
+    figure.tight_layout()
+    path = path or os.path.join(workdir, PLOT_FILE)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Plot a run's metrics.jsonl into a PNG.")
+    parser.add_argument("--workdir", required=True, help="run directory written by train.py")
+    parser.add_argument("--out", default=None, help=f"PNG path (default: <workdir>/{PLOT_FILE})")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.workdir):
+        print(f"error: --workdir {args.workdir} does not exist; pass the directory train.py wrote",
+              file=sys.stderr)
+        sys.exit(2)
+    try:
+        print(f"wrote {plot_run(args.workdir, args.out)}")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

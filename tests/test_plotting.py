@@ -1,0 +1,50 @@
+"""The run plot: four panels from metrics.jsonl, non-finite values left out, clear errors."""
+
+import json
+
+import pytest
+
+from andrea_jax import plotting
+
+
+def _write_metrics(workdir, records):
+    with open(workdir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def _records():
+    train = [{"step": s, "loss": 9.0 / s ** 0.3, "lr": 1e-3 * min(1, s / 50), "grad_norm": 1.0 + 1 / s,
+              "tokens_per_second": 1000.0 + s, "mfu": 0.1} for s in range(10, 210, 10)]
+    train[3]["loss"] = "nan"  # how metrics.Writer keeps a non-finite value
+    return train + [{"step": 100, "val_loss": 2.5}, {"step": 200, "val_loss": 2.2}]
+
+
+def test_series_keeps_finite_numbers_only():
+    steps, values = plotting.series(_records(), "loss")
+    assert len(steps) == 19 and 40 not in steps
+    assert values[0] == pytest.approx(9.0 / 10 ** 0.3)
+    assert plotting.series(_records(), "val_loss") == ([100, 200], [2.5, 2.2])
+
+
+def test_plot_run_writes_a_png_in_the_workdir(tmp_path):
+    import matplotlib.image
+
+    _write_metrics(tmp_path, _records())
+    path = plotting.plot_run(str(tmp_path))
+    assert path == str(tmp_path / "metrics.png")
+    image = matplotlib.image.imread(path)
+    assert image.shape[:2] == (770, 1210)  # 11 × 7 inches at 110 dpi
+    assert image[..., :3].std() > 0.05  # not a blank canvas
+
+
+def test_cli_writes_to_out_and_refuses_an_empty_run(tmp_path, capsys):
+    _write_metrics(tmp_path, _records())
+    plotting.main(["--workdir", str(tmp_path), "--out", str(tmp_path / "curves.png")])
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        plotting.main(["--workdir", str(empty)])
+    assert exit_info.value.code == 2
+    assert "no training records yet; train first" in capsys.readouterr().err
+    assert not (empty / "metrics.png").exists()
