@@ -247,3 +247,16 @@ def test_non_empty_output_needs_overwrite(run, tmp_path, capsys):
     assert os.path.isdir(os.path.join(run["workdir"], "checkpoints"))
     hf_export.main(["export", "--workdir", run["workdir"], "--out", str(out), "--overwrite"])
     assert "keep.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+
+
+def test_ablated_architecture_refuses_export(run, tmp_path, capsys):
+    if not hasattr(model, "non_gpt2_features"):
+        pytest.skip("this model.py has no architecture switches")
+    workdir = tmp_path / "post_norm"
+    workdir.mkdir()
+    saved = json.load(open(os.path.join(run["workdir"], "config.json")))
+    saved["config"]["model"]["norm_position"] = "post"
+    (workdir / "config.json").write_text(json.dumps(saved))
+    _fails(capsys, ["export", "--workdir", str(workdir), "--out", str(tmp_path / "out")], "not GPT-2's",
+           "norm_position")
+    assert not (tmp_path / "out").exists()
