@@ -12,7 +12,7 @@ import os
 
 import ml_collections
 
-from andrea_jax.config import ConfigError
+from andrea_jax.config import ConfigError, base_config
 
 CONFIG_FILE = "config.json"
 PROJECT = "andrea-jax"
@@ -37,7 +37,14 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
         raise ConfigError(f"{path} is unreadable ({error}); restore it or use a new --workdir") from error
     if not isinstance(saved, dict) or saved.get("project") != PROJECT:
         raise ConfigError(f"{path} was not written by {PROJECT}; use a new --workdir")
-    return ml_collections.ConfigDict(saved["config"])
+    # Over the defaults: keys added to the config since the run began take their default.
+    config = base_config()
+    try:
+        config.update(saved["config"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConfigError(f"{path} does not fit this version's config ({error}); use the andrea-jax version "
+                          f"that wrote it or a new --workdir") from error
+    return config
 
 
 def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict, workdir: str) -> None:

@@ -131,3 +131,13 @@ def test_a_corrupted_newest_checkpoint_falls_back_and_retrains_the_same_steps(co
     timing = ("tokens_per_second", "mfu")
     strip = lambda records: [{k: v for k, v in r.items() if k not in timing} for r in records]
     assert strip(metrics.read(workdir)) == strip(metrics.read(trained[1]))  # steps 6..10 again, identical
+
+
+def test_a_saved_config_gains_keys_added_since_with_their_defaults(tmp_path):
+    config = base_config()
+    config.model.d_model = 128
+    saved = json.loads(config.to_json())
+    del saved["model"]["dropout"]  # as if written before the key existed
+    (tmp_path / "config.json").write_text(json.dumps({"project": "andrea-jax", "config": saved}))
+    loaded = run_dir.load_saved_config(str(tmp_path))
+    assert loaded.model.d_model == 128 and loaded.model.dropout == base_config().model.dropout
