@@ -1,0 +1,174 @@
+"""Train-step throughput: the project's jitted step against the PyTorch reference, side by side.
+
+    python bench/bench_step.py [--only mid,shakespeare] [--rounds 5] [--torch-compile] [--no-torch]
+
+Cases: shakespeare (configs/shakespeare_char.py), mid (6L d384, seq 256, batch 8,
+vocab 8449), a120_f32 / a120_bf16 (configs/andrea120m.py at seq 128, batch 4);
+gpu120m (context 1024, batch 32, bf16) is for accelerators (bench/gpu.sh).
+Each round runs one repetition of every contender, in rotating order, so that
+the other work on a shared machine slows all alike; medians are reported.
+The matmul ceilings (2048³, float32 and bfloat16 with float32 accumulation)
+run in the same rounds. MFU is against the measured matmul rate of the case's
+compute dtype (as the training loop does on a CPU) or the device's table peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+DEFAULT_CASES = ["shakespeare", "mid", "a120_f32", "a120_bf16"]
+
+
+def torch_contender(config, compile: bool):
+    """(name, one-repetition callable) of the PyTorch reference, or None when torch is missing."""
+    try:
+        import torch
+        from bench import torch_reference
+    except ImportError:
+        return None
+    step = torch_reference.TrainStep(config, compile=compile)
+    batches = [torch.from_numpy(b).long() for b in harness.random_batches(config, 4)]
+    counter = [0]
+
+    def run(steps: int) -> float:
+        started = time.perf_counter()
+        for _ in range(steps):
+            loss = step(batches[counter[0] % len(batches)])
+            counter[0] += 1
+        loss.item()
+        return (time.perf_counter() - started) / steps
+
+    started = time.perf_counter()
+    run(1)  # first step: allocations (and torch.compile's compilation)
+    return run, time.perf_counter() - started
+
+
+def bench_case(name: str, args, matmul_reps: dict) -> list[dict]:
+    config = harness.make_case(name)
+    nanogpt_flops, exact_flops = harness.flops_per_step(config)
+    tokens = config.batch_size * config.seq_len
+    contenders, compile_s = {}, {}
+
+    jax_step = harness.JaxStep(config)
+    compile_s["jax"] = jax_step.compile()
+    first = jax_step.run(1)
+    jax_k = harness.steps_per_rep(first, args.rep_seconds)
+    contenders["jax"] = lambda: jax_step.run(jax_k)
+
+    torch_modes = [] if args.no_torch else [False] + ([True] if args.torch_compile else [])
+    for compiled in torch_modes:
+        label = "torch.compile" if compiled else "torch eager"
+        try:
+            made = torch_contender(config, compiled)
+        except Exception as error:  # torch.compile may need a toolchain this machine lacks
+            print(f"{name}: {label} failed: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
+            continue
+        if made is None:
+            break
+        run, compile_s[label] = made
+        k = harness.steps_per_rep(run(1), args.rep_seconds)
+        contenders[label] = (lambda run=run, k=k: run(k))
+
+    reps = dict(contenders)
+    reps.update(matmul_reps)
+    samples = harness.interleave(reps, args.rounds)
+    step_s = {label: harness.median(samples[label]) for label in contenders}
+
+    device = jax.devices()[0]
+    table_peak = flops.device_peak_flops(device, config.model.dtype)
+    if table_peak is not None:
+        peak, peak_source = table_peak, f"{device.device_kind} table peak"
+    else:
+        peak_label = "matmul " + config.model.dtype
+        peak, peak_source = harness.median(samples[peak_label]), f"measured {config.model.dtype} matmul"
+    f32_rate = harness.median(samples["matmul float32"]) if "matmul float32" in samples else None
+    rows = []
+    for label, seconds in step_s.items():
+        rows.append(dict(
+            case=name, shape=harness.describe_case(config), impl=label, step_s=seconds,
+            step_min_s=min(samples[label]), tokens_per_s=tokens / seconds,
+            gflops_nanogpt=nanogpt_flops / seconds / 1e9, gflops_exact=exact_flops / seconds / 1e9,
+            mfu_nanogpt=nanogpt_flops / seconds / peak, mfu_exact=exact_flops / seconds / peak,
+            peak_source=peak_source, peak_gflops=peak / 1e9,
+            of_f32_matmul=None if f32_rate is None else exact_flops / seconds / f32_rate,
+            speed_vs_torch=step_s.get("torch eager", float("nan")) / seconds,
+            compile_s=compile_s.get(label, float("nan")) - seconds,  # the first step less a steady one
+            samples=samples[label]))
+    for label in matmul_reps:
+        rows.append(dict(case=name, impl=label, gflops=harness.median(samples[label]) / 1e9,
+                         gflops_best=max(samples[label]) / 1e9))
+    jax_step.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(DEFAULT_CASES),
+                        help=f"comma-separated cases (default {','.join(DEFAULT_CASES)}; also gpu120m)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions (medians shown)")
+    parser.add_argument("--rep-seconds", type=float, default=1.0, help="about this long a repetition")
+    parser.add_argument("--no-torch", action="store_true", help="the JAX step alone")
+    parser.add_argument("--torch-compile", action="store_true", help="also time torch.compile (inductor)")
+    parser.add_argument("--no-matmul", action="store_true", help="skip the matmul ceilings (accelerators)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="1 = single-threaded JAX (--xla_cpu_multi_thread_eigen=false) and torch; "
+                             "0 = all cores (the default). One thread is the fair comparison on a loaded machine.")
+    parser.add_argument("--json", help="also write every sample here")
+    args = parser.parse_args()
+    if args.threads == 1:  # must be set before jax is imported
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+    if args.threads:
+        try:
+            import torch
+            torch.set_num_threads(args.threads)
+        except ImportError:
+            pass
+    global jax, flops, harness
+    import jax
+    from andrea_jax import flops
+    from bench import harness
+    print(harness.header("python bench/bench_step.py " + " ".join(sys.argv[1:])), flush=True)
+
+    matmul_reps = {}
+    if not args.no_matmul:
+        for dtype in ("float32", "bfloat16"):
+            matmul_reps["matmul " + dtype] = harness.Matmul(dtype).run
+
+    rows = []
+    for name in args.only.split(","):
+        started = time.perf_counter()
+        rows += bench_case(name.strip(), args, matmul_reps)
+        print(f"[{name}: {time.perf_counter() - started:.0f} s, load average {harness.load_average()}]",
+              file=sys.stderr, flush=True)
+
+    table = []
+    for r in rows:
+        if "step_s" in r:
+            table.append([r["case"], r["impl"], f"{r['step_s'] * 1e3:,.1f}", f"{r['step_min_s'] * 1e3:,.1f}",
+                          f"{r['tokens_per_s']:,.0f}", f"{r['gflops_nanogpt']:.1f}", f"{r['gflops_exact']:.1f}",
+                          f"{100 * r['mfu_nanogpt']:.1f}%", f"{100 * r['mfu_exact']:.1f}%",
+                          "" if r["of_f32_matmul"] is None else f"{100 * r['of_f32_matmul']:.0f}%",
+                          f"{r['speed_vs_torch']:.2f}×", f"{r['compile_s']:.1f}"])
+        else:
+            table.append([r["case"], r["impl"], "", "", "", f"{r['gflops']:.1f} (best {r['gflops_best']:.1f})",
+                          "", "", "", "", "", ""])
+    print(f"\nload average at end {harness.load_average()}; shapes: "
+          + "; ".join(sorted({f"{r['case']} = {r['shape']}" for r in rows if 'shape' in r})))
+    peaks = sorted({f"{r['case']}: {r['peak_source']} {r['peak_gflops']:.0f} GFLOP/s" for r in rows if "peak_source" in r})
+    print("MFU peak: " + "; ".join(peaks))
+    print(harness.format_table(
+        ["case", "impl", "step ms (median)", "step ms (min)", "tokens/s", "GFLOP/s 6N", "GFLOP/s exact",
+         "MFU 6N", "MFU exact", "exact / f32 matmul", "speed vs torch eager", "compile s"], table))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
