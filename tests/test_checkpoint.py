@@ -37,7 +37,7 @@ def tiny_config(tmp_path, **overrides):
     c = base_config()
     c.model.update(dict(n_layer=2, d_model=64, n_head=4, mlp_dim=256, max_len=64, vocab_size=0))
     c.update(dict(seq_len=32, batch_size=8, steps=12, log_every=3, eval_every=6, eval_batches=2,
-                  checkpoint_every=5, keep_checkpoints=3))
+                  checkpoint_every=5, keep_checkpoints=3, peak_flops=1e12))  # no matmul benchmark at start
     c.optimizer.update(dict(learning_rate=3e-3, warmup_steps=3))
     corpus = tmp_path / "corpus"
     c.data.update(dict(source="text:" + (str(corpus) if corpus.exists() else write_corpus(corpus)),
