@@ -32,6 +32,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Peak FLOP/s used for MFU when the device is not in the known table
     # (0 = measure the float32 matmul rate of this device at start-up).
     c.peak_flops = 0.0
+    # Per-block gradient norms, sub-layer delta ratios and stream norms among the
+    # train step's metrics (keys "diag/..."); a few reductions a step.
+    c.diagnostics = False
 
     c.model = m = ml_collections.ConfigDict()
     m.n_layer = 12
@@ -47,6 +50,11 @@ def base_config() -> ml_collections.ConfigDict:
     m.attention = "xla"  # "xla" (einsum) or "dot_product" (jax.nn.dot_product_attention)
     m.remat = False  # recompute each block in the backward pass
     m.scan_layers = False  # one compiled block scanned over depth
+    # Ablations; the defaults are the ANDREA model (see model.py for the equations).
+    m.norm_position = "pre"  # "pre": x + f(LN(x)); "post": LN(x + f(x))
+    m.residual = True  # False: no skip connections
+    m.activation = "gelu_tanh"  # "gelu_tanh", "gelu_exact", "relu" or "swiglu" (2/3 width, 3 matrices)
+    m.mlp_ratio = 0.0  # 0 = the MLP width is mlp_dim; else mlp_ratio × d_model (mlp_dim is then unused)
 
     c.data = d = ml_collections.ConfigDict()
     d.source = "stdlib"  # "tfds:NAME[/CONFIG]", "text:PATH_OR_GLOB" or "stdlib"
@@ -123,6 +131,21 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.attention={m.attention!r} is not one of 'xla', 'dot_product'")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    if m.norm_position not in ("pre", "post"):
+        raise ConfigError(f"model.norm_position={m.norm_position!r} is not one of 'pre', 'post'")
+    if not isinstance(m.residual, bool):
+        raise ConfigError(f"model.residual={m.residual!r} must be True or False")
+    if m.activation not in ("gelu_tanh", "gelu_exact", "relu", "swiglu"):
+        raise ConfigError(f"model.activation={m.activation!r} is not one of 'gelu_tanh', 'gelu_exact', "
+                          f"'relu', 'swiglu'")
+    if m.mlp_ratio < 0:
+        raise ConfigError(f"model.mlp_ratio={m.mlp_ratio} must be >= 0 (0 = use model.mlp_dim)")
+    if m.mlp_ratio > 0:
+        width = m.mlp_ratio * m.d_model
+        if width < 1 or abs(width - round(width)) > 1e-6:
+            raise ConfigError(
+                f"model.mlp_ratio={m.mlp_ratio} × model.d_model={m.d_model} = {width:g} is not a whole "
+                f"number of units; pick a ratio that gives one, or set mlp_ratio=0 and model.mlp_dim")
 
 
 def validate(c: ml_collections.ConfigDict) -> None:

@@ -11,6 +11,28 @@ index of the tokens already cached, which offsets the new tokens' positions.
 Every parameter carries logical axis names; a rule table in the config maps
 them onto the device mesh. Parameters are float32; matmuls run in the compute
 dtype and accumulate in float32; softmax and logits are float32.
+
+Ablations (config switches; the defaults are the model above, unchanged):
+  norm_position="post":  x = LN_1(x + Attention(x));  x = LN_2(x + MLP(x)).
+      LN_f stays: the stream already leaves each block normalised, so LN_f only
+      re-normalises and applies its own gain and bias. Keeping it keeps the
+      parameter tree and count identical to pre-norm, and the logit lens reads
+      every variant through the same head.
+  residual=False:        the skips go; a sub-layer's output replaces the stream
+      (pre: x = Attention(LN_1(x)); post: x = LN_1(Attention(x))).
+  activation:            gelu_tanh | gelu_exact | relu | swiglu, where swiglu is
+      (silu(x·W_gate) ⊙ x·W_fc)·W_proj with a width of 2/3 of the two-matrix MLP's,
+      rounded to a multiple of 64, so that its three matrices hold about as many
+      parameters as the two they replace (see `mlp_hidden_dim`).
+  mlp_ratio:             0 = the MLP width is mlp_dim; otherwise mlp_ratio × d_model.
+Initialisation is the same in every variant.
+
+Inside a forward pass, the blocks can report on themselves, at no cost unless the
+caller asks (`mutable=[...]`): collection "diagnostics" gets scalars per block
+(each sub-layer's output norm relative to the stream it reads, and the stream's
+norm after the block); "intermediates" gets the whole stream after the embedding
+and after every block, for the logit lens. With scan_layers they come stacked
+over depth like the params.
 """
 
 from __future__ import annotations
@@ -27,6 +49,48 @@ from andrea_jax.config import padded_vocab_size
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 INIT_STD = 0.02  # GPT-2's normal init for weights and embeddings
+ACTIVATIONS = {
+    "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
+    "gelu_exact": lambda h: jax.nn.gelu(h, approximate=False),
+    "relu": jax.nn.relu,
+    "swiglu": None,  # gated: needs a second projection, built in MLP
+}
+SWIGLU_MULTIPLE = 64
+# The collections a forward pass fills only when the caller makes them mutable.
+DIAGNOSTICS = "diagnostics"
+INTERMEDIATES = "intermediates"
+
+
+def mlp_hidden_dim(model_config: ml_collections.ConfigDict) -> int:
+    """The MLP's hidden width: mlp_dim, or mlp_ratio × d_model; for swiglu 2/3 of that, to a multiple of 64.
+
+    A two-matrix MLP of width F holds 2·d·F weights; SwiGLU has three matrices, so
+    width 2F/3 keeps the count (4 × 768 → 2048 exactly; 4 × 128 → 341 → 320).
+    """
+    m = model_config
+    ratio = float(m.get("mlp_ratio", 0.0))
+    width = int(round(ratio * m.d_model)) if ratio > 0 else int(m.mlp_dim)
+    if m.get("activation", "gelu_tanh") == "swiglu":
+        width = max(SWIGLU_MULTIPLE, int(round(2 * width / 3 / SWIGLU_MULTIPLE)) * SWIGLU_MULTIPLE)
+    return width
+
+
+def non_gpt2_features(model_config: ml_collections.ConfigDict) -> list[str]:
+    """The ablation switches set away from GPT-2's architecture ([] = a GPT-2 model)."""
+    m = model_config
+    found = []
+    if m.get("norm_position", "pre") != "pre":
+        found.append(f"model.norm_position={m.norm_position!r} (GPT-2 is 'pre')")
+    if not m.get("residual", True):
+        found.append("model.residual=False (GPT-2 has residual connections)")
+    if m.get("activation", "gelu_tanh") != "gelu_tanh":
+        found.append(f"model.activation={m.activation!r} (GPT-2 is 'gelu_tanh')")
+    return found
+
+
+def _stream_norm(x_BxLxD: jax.Array) -> jax.Array:
+    """Root mean square over tokens of each token's L2 norm, in float32."""
+    return jnp.sqrt(jnp.mean(jnp.sum(jnp.square(x_BxLxD.astype(jnp.float32)), axis=-1)))
 
 
 def _normal(std: float, axes: tuple[str | None, ...]):
@@ -129,11 +193,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Dense d→mlp_dim, tanh-GELU, dense mlp_dim→d."""
+    """Dense d→mlp_dim, tanh-GELU (or the ablation's activation), dense mlp_dim→d."""
     mlp_dim: int
     dtype: Any
     dropout: float
     residual_std: float
+    activation: str = "gelu_tanh"
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, deterministic: bool) -> jax.Array:
@@ -146,7 +211,15 @@ class MLP(nn.Module):
         proj_bias = self.param("proj_bias", _zeros(("embed",)), (d_model,), jnp.float32)
 
         h_BxLxF = matmul(x_BxLxD, fc_kernel, "bld,df->blf", self.dtype) + fc_bias
-        h_BxLxF = jax.nn.gelu(h_BxLxF, approximate=True).astype(self.dtype)
+        if self.activation == "swiglu":
+            # Created after the four above, so those draw the same initial values as without it.
+            gate_kernel = self.param("gate_kernel", _normal(INIT_STD, ("embed", "mlp")),
+                                     (d_model, self.mlp_dim), jnp.float32)
+            gate_bias = self.param("gate_bias", _zeros(("mlp",)), (self.mlp_dim,), jnp.float32)
+            gate_BxLxF = matmul(x_BxLxD, gate_kernel, "bld,df->blf", self.dtype) + gate_bias
+            h_BxLxF = (jax.nn.silu(gate_BxLxF) * h_BxLxF).astype(self.dtype)
+        else:
+            h_BxLxF = ACTIVATIONS[self.activation](h_BxLxF).astype(self.dtype)
         h_BxLxF = nn.with_logical_constraint(h_BxLxF, ("act_batch", "act_len", "act_mlp"))
         out_BxLxD = matmul(h_BxLxF, proj_kernel, "blf,fd->bld", self.dtype) + proj_bias
         out_BxLxD = nn.Dropout(self.dropout)(out_BxLxD, deterministic=deterministic)
@@ -154,7 +227,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm block: x + Attention(LN_1(x)), then x + MLP(LN_2(x))."""
+    """One pre-norm block: x + Attention(LN_1(x)), then x + MLP(LN_2(x)) (or an ablation's order)."""
     config: ml_collections.ConfigDict
 
     @nn.compact
@@ -166,11 +239,27 @@ class Block(nn.Module):
         # does not grow with the number of blocks; each block starts near identity.
         residual_std = INIT_STD / math.sqrt(2 * m.n_layer)
         attn = Attention(m.n_head, dtype, m.dropout, residual_std, m.attention, m.max_len, name="attn")
-        mlp = MLP(m.mlp_dim, dtype, m.dropout, residual_std, name="mlp")
-        x_BxLxD = x_BxLxD + attn(LayerNorm(m.layer_norm_epsilon, dtype, name="ln_1")(x_BxLxD), deterministic,
-                                 cache_index)
-        x_BxLxD = x_BxLxD + mlp(LayerNorm(m.layer_norm_epsilon, dtype, name="ln_2")(x_BxLxD), deterministic)
+        mlp = MLP(mlp_hidden_dim(m), dtype, m.dropout, residual_std, m.get("activation", "gelu_tanh"), name="mlp")
+        ln_1 = LayerNorm(m.layer_norm_epsilon, dtype, name="ln_1")
+        ln_2 = LayerNorm(m.layer_norm_epsilon, dtype, name="ln_2")
+        x_BxLxD = self._sublayer("attn", x_BxLxD, ln_1, lambda h: attn(h, deterministic, cache_index))
+        x_BxLxD = self._sublayer("mlp", x_BxLxD, ln_2, lambda h: mlp(h, deterministic))
+        if self.is_mutable_collection(DIAGNOSTICS):
+            self.sow(DIAGNOSTICS, "stream_norm", _stream_norm(x_BxLxD))
+        if self.is_mutable_collection(INTERMEDIATES):
+            self.sow(INTERMEDIATES, "stream", x_BxLxD)
         return x_BxLxD
+
+    def _sublayer(self, name: str, x_BxLxD: jax.Array, norm: nn.Module, sublayer) -> jax.Array:
+        """pre: x + f(LN(x));  post: LN(x + f(x));  without the residual the `x +` goes."""
+        pre = self.config.get("norm_position", "pre") == "pre"
+        residual = self.config.get("residual", True)
+        delta_BxLxD = sublayer(norm(x_BxLxD) if pre else x_BxLxD)
+        if self.is_mutable_collection(DIAGNOSTICS):
+            # How much this sub-layer writes, relative to the stream it reads.
+            self.sow(DIAGNOSTICS, f"{name}_delta_ratio", _stream_norm(delta_BxLxD) / _stream_norm(x_BxLxD))
+        out_BxLxD = x_BxLxD + delta_BxLxD if residual else delta_BxLxD
+        return out_BxLxD if pre else norm(out_BxLxD)
 
 
 class ScannedBlock(nn.Module):
@@ -210,9 +299,14 @@ class Transformer(nn.Module):
         x_BxLxD = jnp.take(token_embed, ids_BxL, axis=0) + positions_LxD
         x_BxLxD = nn.Dropout(m.dropout)(x_BxLxD, deterministic=deterministic).astype(dtype)
         x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("act_batch", "act_len", "act_embed"))
+        if self.is_mutable_collection(DIAGNOSTICS):
+            self.sow(DIAGNOSTICS, "embed_stream_norm", _stream_norm(x_BxLxD))
+        if self.is_mutable_collection(INTERMEDIATES):
+            self.sow(INTERMEDIATES, "embed_stream", x_BxLxD)
 
         if m.scan_layers:
-            blocks = nn.scan(ScannedBlock, variable_axes={"params": 0, "cache": 0},
+            blocks = nn.scan(ScannedBlock,
+                             variable_axes={"params": 0, "cache": 0, DIAGNOSTICS: 0, INTERMEDIATES: 0},
                              split_rngs={"params": True, "dropout": True},
                              in_axes=(nn.broadcast, nn.broadcast), length=m.n_layer,
                              metadata_params={nn.PARTITION_NAME: "layers"})
@@ -223,12 +317,26 @@ class Transformer(nn.Module):
                 x_BxLxD = block_cls(m, name=f"block_{i}")(x_BxLxD, deterministic, cache_index)
 
         x_BxLxD = LayerNorm(m.layer_norm_epsilon, dtype, name="ln_f")(x_BxLxD)
-        logits_BxLxV = matmul(x_BxLxD, token_embed, "bld,vd->blv", dtype)
-        if vocab_rows > m.vocab_size:
-            # Padding rows exist only for matmul shapes: they can never be predicted.
-            real_V = jnp.arange(vocab_rows) < m.vocab_size
-            logits_BxLxV = jnp.where(real_V, logits_BxLxV, jnp.finfo(jnp.float32).min)
+        logits_BxLxV = tied_logits(x_BxLxD, token_embed, m)
         return nn.with_logical_constraint(logits_BxLxV, ("act_batch", "act_len", "act_vocab"))
+
+
+def tied_logits(x_BxLxD: jax.Array, token_embed: jax.Array, model_config: ml_collections.ConfigDict) -> jax.Array:
+    """The output head after LN_f: x · token_embed.T in float32, padding columns masked out."""
+    m = model_config
+    logits_BxLxV = matmul(x_BxLxD, token_embed, "bld,vd->blv", DTYPES[m.dtype])
+    if token_embed.shape[0] > m.vocab_size:
+        # Padding rows exist only for matmul shapes: they can never be predicted.
+        real_V = jnp.arange(token_embed.shape[0]) < m.vocab_size
+        logits_BxLxV = jnp.where(real_V, logits_BxLxV, jnp.finfo(jnp.float32).min)
+    return logits_BxLxV
+
+
+def head(params: dict, model_config: ml_collections.ConfigDict, x_BxLxD: jax.Array) -> jax.Array:
+    """LN_f and the tied output applied to any stream (the logit lens reads each depth with it)."""
+    m = model_config
+    normed_BxLxD = LayerNorm(m.layer_norm_epsilon, DTYPES[m.dtype]).apply({"params": params["ln_f"]}, x_BxLxD)
+    return tied_logits(normed_BxLxD, params["token_embed"], m)
 
 
 def build(model_config: ml_collections.ConfigDict) -> Transformer:

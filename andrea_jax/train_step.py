@@ -14,7 +14,7 @@ import ml_collections
 import optax
 from jax.sharding import PartitionSpec as P
 
-from andrea_jax import model
+from andrea_jax import diagnostics, model
 from andrea_jax.sharding import BATCH_AXES
 
 State = dict[str, Any]
@@ -27,33 +27,58 @@ def init_state(rng: jax.Array, config: ml_collections.ConfigDict, tx: optax.Grad
     return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
 
+def _loss_and_collections(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
+                          dropout_rng: jax.Array | None, collections: tuple[str, ...]) -> tuple[jax.Array, dict]:
+    """Mean next-token loss, and the model collections it was asked to fill in the pass."""
+    inputs_BxL, targets_BxL = batch_BxLp1[:, :-1], batch_BxLp1[:, 1:]
+    deterministic = dropout_rng is None
+    out = model.build(model_config).apply(
+        {"params": params}, inputs_BxL, deterministic=deterministic,
+        rngs=None if deterministic else {"dropout": dropout_rng}, mutable=list(collections) or False)
+    logits_BxLxV, variables = out if collections else (out, {})
+    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
+    return losses_BxL.mean(), variables
+
+
 def cross_entropy(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
                   dropout_rng: jax.Array | None) -> jax.Array:
     """Mean next-token loss in float32 over a [B, L+1] window batch."""
-    inputs_BxL, targets_BxL = batch_BxLp1[:, :-1], batch_BxLp1[:, 1:]
-    deterministic = dropout_rng is None
-    logits_BxLxV = model.build(model_config).apply(
-        {"params": params}, inputs_BxL, deterministic=deterministic,
-        rngs=None if deterministic else {"dropout": dropout_rng})
-    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
-    return losses_BxL.mean()
+    return _loss_and_collections(params, model_config, batch_BxLp1, dropout_rng, ())[0]
+
+
+def cross_entropy_and_stream_stats(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
+                                   dropout_rng: jax.Array | None) -> tuple[jax.Array, dict]:
+    """The loss and the pass's per-depth stream statistics (`diagnostics.stream_stats`)."""
+    loss, variables = _loss_and_collections(params, model_config, batch_BxLp1, dropout_rng, (model.DIAGNOSTICS,))
+    return loss, diagnostics.stream_stats(variables[model.DIAGNOSTICS], model_config)
 
 
 def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransformation,
                     schedule: optax.Schedule) -> Callable[[State, jax.Array], tuple[State, dict]]:
-    """train_step(state, batch [B, L+1]) -> (state, metrics); gradients accumulated over micro-batches."""
+    """train_step(state, batch [B, L+1]) -> (state, metrics); gradients accumulated over micro-batches.
+
+    With config.diagnostics the metrics also hold the "diag/..." keys of `diagnostics.py`.
+    """
     num_micro = int(config.microbatches)
     use_dropout = config.model.dropout > 0.0
+    diagnose = bool(config.get("diagnostics", False))
 
     def grads_of(params, micro_BxLp1, rng):
-        return jax.value_and_grad(cross_entropy)(params, config.model, micro_BxLp1, rng if use_dropout else None)
+        """(loss, grads, stream stats); the stats are {} unless diagnosing."""
+        rng = rng if use_dropout else None
+        if diagnose:
+            (loss, stats), grads = jax.value_and_grad(cross_entropy_and_stream_stats, has_aux=True)(
+                params, config.model, micro_BxLp1, rng)
+            return loss, grads, stats
+        loss, grads = jax.value_and_grad(cross_entropy)(params, config.model, micro_BxLp1, rng)
+        return loss, grads, {}
 
     def train_step(state: State, batch_BxLp1: jax.Array) -> tuple[State, dict]:
         params = state["params"]
         # Dropout keys fold the step in: a resumed run draws the same masks.
         step_rng = jax.random.fold_in(jax.random.key(config.seed), state["step"])
         if num_micro == 1:
-            loss, grads = grads_of(params, batch_BxLp1, step_rng)
+            loss, grads, stats = grads_of(params, batch_BxLp1, step_rng)
         else:
             batch_size, width = batch_BxLp1.shape
             # Micro-batch m takes rows m, m+M, m+2M...: every device keeps its own
@@ -63,14 +88,16 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
 
             def accumulate(carry, inputs):
                 index, micro_BxLp1 = inputs
-                loss, grads = grads_of(params, micro_BxLp1, jax.random.fold_in(step_rng, index))
+                loss, grads, stats = grads_of(params, micro_BxLp1, jax.random.fold_in(step_rng, index))
                 loss_sum, grad_sum = carry
-                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), stats
 
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(num_micro), micro_MxBxLp1))
+            (loss_sum, grad_sum), stats_M = jax.lax.scan(accumulate, zeros,
+                                                         (jnp.arange(num_micro), micro_MxBxLp1))
             loss = loss_sum / num_micro
             grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
+            stats = jax.tree.map(lambda s: s.mean(0), stats_M)
 
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -84,6 +111,8 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
                      "opt_state": keep(new_opt_state, state["opt_state"])}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
                    "finite": finite}
+        if diagnose:
+            metrics.update(diagnostics.metrics(stats, diagnostics.block_grad_norms(grads, config.model)))
         return new_state, metrics
 
     return train_step
