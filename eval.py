@@ -12,6 +12,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from andrea_jax import cli  # the multi-process flags, shared with train.py
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by train.py")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest)")
 _BATCHES = flags.DEFINE_integer("batches", None, "Validation batches (default: config.eval_batches; 0 = all)")
@@ -78,29 +80,35 @@ def main(argv):
         print(f"error: {problem}", file=sys.stderr, flush=True)
         sys.exit(2)
 
-    from andrea_jax import checkpoint, evaluate
+    import jax
+    from andrea_jax import checkpoint, distributed, evaluate
     from andrea_jax.config import ConfigError
     from andrea_jax.data import DataError
     try:
+        distributed.initialize(cli.COORDINATOR.value, cli.NUM_PROCESSES.value, cli.PROCESS_ID.value,
+                               cli.DISTRIBUTED_TIMEOUT.value)
+        leader = jax.process_index() == 0
         if _argument(sys.argv, "config") is None:
             evaluate.run_config(workdir)  # raises when the workdir holds no run
         restored = evaluate.restore(workdir, flags.FLAGS.config, _STEP.value)
         batches = restored.config.eval_batches if _BATCHES.value is None else _BATCHES.value
         split = evaluate.validation_split(restored.config, restored.tokenizer)
         report = evaluate.score(restored, split, batches)
-        path = evaluate.write_report(workdir, report)
-        print(f"step {report['step']}: val loss {report['loss']:.4f}, perplexity {report['perplexity']:.2f}, "
+        # Every process takes part in each computation (scoring, sampling); the leader reports.
+        say = print if leader else (lambda *args, **kwargs: None)
+        path = evaluate.write_report(workdir, report) if leader else None
+        say(f"step {report['step']}: val loss {report['loss']:.4f}, perplexity {report['perplexity']:.2f}, "
               f"bits per byte {report['bits_per_byte']:.4f} over {report['tokens']:,} tokens "
               f"({100 * report['fraction_of_split']:.1f}% of the split, {report['batches']} batches) "
               f"on {report['mesh']}")
-        print(f"wrote {path}", flush=True)
+        say(f"wrote {path}", flush=True)
         if _PROMPT.value is not None:
             text = evaluate.continue_text(restored, _PROMPT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
                                           temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
                                           seed=_SEED.value)
-            print(f"--- sample (temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, top_p {_TOP_P.value}, "
+            say(f"--- sample (temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, top_p {_TOP_P.value}, "
                   f"seed {_SEED.value}) ---")
-            print(_PROMPT.value + text, flush=True)
+            say(_PROMPT.value + text, flush=True)
     except (ConfigError, DataError, checkpoint.CheckpointError, evaluate.EvalError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

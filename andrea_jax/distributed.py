@@ -8,6 +8,8 @@ run is a single process and nothing is initialised.
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 import jax
 
@@ -52,6 +54,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                               f"--num_processes={num_processes}")
     elif not cluster_detected():
         return False
+    if coordinator_address is not None and process_id != 0:
+        # The runtime aborts the whole process when the coordinator never answers;
+        # waiting for its port first turns that into a clear error.
+        _wait_for_coordinator(coordinator_address, timeout_s)
     try:
         jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                    initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s,
@@ -63,3 +69,21 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                           f"check that process 0 runs and --coordinator_address/--num_processes/--process_id "
                           f"agree on every process") from error
     return True
+
+
+def _wait_for_coordinator(address: str, timeout_s: int) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--coordinator_address={address} is not host:port; e.g. 10.0.0.2:1234")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"could not join the distributed run at {address} within {timeout_s}s ({error}); check that "
+                    f"process 0 runs and --coordinator_address/--num_processes/--process_id agree on every "
+                    f"process") from error
+            time.sleep(0.5)

@@ -65,6 +65,9 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool) -> tu
     """Checks the workdir, prepares the data and fills in the tokenizer's vocabulary size."""
     validate(config)
     saved = run_dir.load_saved_config(workdir)
+    read_by_all = _barrier("andrea_config_read")
+    if read_by_all is not None:
+        read_by_all()  # every process has seen the directory as it was before the leader writes to it
     if saved is None and leader:
         run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
     if saved is not None:

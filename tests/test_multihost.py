@@ -1,0 +1,142 @@
+"""Several processes on one machine: JAX's distributed runtime over gloo, 2 processes × 2 CPU devices.
+
+Against 1 process × 4 devices: the same losses; a killed process stops the other
+within the stated timeout; the run resumes from its checkpoint and continues
+exactly; eval.py on 2 processes reports the single-process figures.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_train_loop import write_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 10  # --distributed_timeout: how long a silent peer is waited for
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(devices_per_process: int) -> dict:
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", JAX_NUM_CPU_DEVICES=str(devices_per_process),
+                JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+
+
+def train_args(tmp_path, workdir):
+    corpus = write_corpus(str(tmp_path / "corpus"))
+    return ["train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
+            "--config.model.n_layer=2", "--config.model.d_model=64", "--config.model.n_head=4",
+            "--config.model.mlp_dim=256", "--config.model.max_len=32", "--config.model.vocab_size=0",
+            "--config.seq_len=32", "--config.batch_size=8", "--config.steps=16", "--config.log_every=2",
+            "--config.eval_every=8", "--config.eval_batches=2", "--config.checkpoint_every=4",
+            "--config.optimizer.warmup_steps=2", "--config.peak_flops=1e11",
+            f"--config.data.source=text:{corpus}", "--config.data.tokenizer=byte", "--config.data.val_fraction=0.2",
+            f"--config.data.cache_dir={tmp_path / 'cache'}"]
+
+
+def launch(args, processes: int, devices_per_process: int, log_prefix):
+    """Starts `processes` copies of a script joined into one run; returns the Popen objects."""
+    port = free_port()
+    distributed = lambda rank: ([f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
+                                 f"--process_id={rank}", f"--distributed_timeout={TIMEOUT_S}"]
+                                if processes > 1 else [])
+    return [subprocess.Popen([sys.executable, *args, *distributed(rank)], cwd=ROOT, env=env(devices_per_process),
+                             stdout=open(f"{log_prefix}{rank}.log", "w"), stderr=subprocess.STDOUT)
+            for rank in range(processes)]
+
+
+def wait_all(procs, timeout=400):
+    deadline = time.time() + timeout
+    codes = [p.wait(timeout=max(1, deadline - time.time())) for p in procs]
+    return codes
+
+
+def records(workdir, key):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [(r["step"], r[key]) for r in map(json.loads, f) if key in r]
+
+
+def log_tail(path, lines=15):
+    with open(path) as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def test_two_processes_train_resume_and_evaluate_like_one(tmp_path):
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    # 1 process × 4 devices: the reference.
+    assert wait_all(launch(train_args(tmp_path, single), 1, 4, str(tmp_path / "single"))) == [0], \
+        log_tail(tmp_path / "single0.log")
+
+    # 2 processes × 2 devices, one killed once a checkpoint exists.
+    procs = launch(train_args(tmp_path, multi), 2, 2, str(tmp_path / "multi"))
+    checkpoint_4 = multi / "checkpoints" / "4"
+    deadline = time.time() + 400
+    while not checkpoint_4.is_dir() and time.time() < deadline and procs[0].poll() is None:
+        time.sleep(0.2)
+    assert checkpoint_4.is_dir(), log_tail(tmp_path / "multi0.log")
+    if procs[1].poll() is None:
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        code = procs[0].wait(timeout=TIMEOUT_S * 6)
+        stopped_after = time.time() - killed_at
+        assert code != 0, "the surviving process should fail, not finish alone"
+        assert stopped_after < TIMEOUT_S * 6
+    else:  # finished before the kill landed on this (fast) machine: nothing to stop
+        wait_all(procs)
+
+    # Resume on 2 processes: the run continues exactly.
+    assert wait_all(launch(train_args(tmp_path, multi), 2, 2, str(tmp_path / "resumed"))) == [0, 0], \
+        log_tail(tmp_path / "resumed0.log")
+    single_losses, multi_losses = records(single, "loss"), records(multi, "loss")
+    assert [s for s, _ in multi_losses] == [s for s, _ in single_losses] == list(range(2, 17, 2))
+    for (_, a), (_, b) in zip(single_losses, multi_losses):
+        assert b == pytest.approx(a, rel=2e-6)
+    assert [v for _, v in records(multi, "val_loss")] == pytest.approx([v for _, v in records(single, "val_loss")],
+                                                                      rel=2e-6)
+
+    # eval.py on 2 processes reports what one process reports.
+    eval_args = ["eval.py", "--workdir", str(multi), "--batches", "0", "--prompt", "def ", "--max_new_tokens", "8",
+                 "--temperature", "0"]
+    assert wait_all(launch(eval_args, 1, 4, str(tmp_path / "eval_single"))) == [0]
+    with open(multi / "eval_step16.json") as f:
+        one = json.load(f)
+    os.remove(multi / "eval_step16.json")
+    assert wait_all(launch(eval_args, 2, 2, str(tmp_path / "eval_multi"))) == [0, 0], \
+        log_tail(tmp_path / "eval_multi0.log")
+    with open(multi / "eval_step16.json") as f:
+        two = json.load(f)
+    assert two["loss"] == pytest.approx(one["loss"], rel=2e-6)
+    assert two["bits_per_byte"] == pytest.approx(one["bits_per_byte"], rel=2e-6)
+    assert "data=4" in two["mesh"] and two["tokens"] == one["tokens"]
+    sample = lambda name: log_tail(tmp_path / name, 2)
+    assert sample("eval_multi0.log") == sample("eval_single0.log")
+
+
+def test_a_coordinator_that_never_answers_fails_within_the_timeout(tmp_path):
+    port = free_port()  # nobody listens here
+    start = time.time()
+    result = subprocess.run([sys.executable, *train_args(tmp_path, tmp_path / "w"),
+                             f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--process_id=1",
+                             "--distributed_timeout=5"], cwd=ROOT, env=env(2), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert time.time() - start < 60
+    assert "error: could not join the distributed run at 127.0.0.1" in result.stderr
+
+
+def test_a_process_id_out_of_range_is_refused(tmp_path):
+    result = subprocess.run([sys.executable, *train_args(tmp_path, tmp_path / "w"),
+                             "--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2"],
+                            cwd=ROOT, env=env(2), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "error: --process_id=2 must be in [0, 2)" in result.stderr
