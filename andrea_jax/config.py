@@ -131,20 +131,23 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.attention={m.attention!r} is not one of 'xla', 'dot_product'")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
-    if m.norm_position not in ("pre", "post"):
-        raise ConfigError(f"model.norm_position={m.norm_position!r} is not one of 'pre', 'post'")
-    if not isinstance(m.residual, bool):
-        raise ConfigError(f"model.residual={m.residual!r} must be True or False")
-    if m.activation not in ("gelu_tanh", "gelu_exact", "relu", "swiglu"):
-        raise ConfigError(f"model.activation={m.activation!r} is not one of 'gelu_tanh', 'gelu_exact', "
+    # The ablation keys are read with their defaults: a config.json saved before they existed still loads.
+    norm_position, residual = m.get("norm_position", "pre"), m.get("residual", True)
+    activation, mlp_ratio = m.get("activation", "gelu_tanh"), m.get("mlp_ratio", 0.0)
+    if norm_position not in ("pre", "post"):
+        raise ConfigError(f"model.norm_position={norm_position!r} is not one of 'pre', 'post'")
+    if not isinstance(residual, bool):
+        raise ConfigError(f"model.residual={residual!r} must be True or False")
+    if activation not in ("gelu_tanh", "gelu_exact", "relu", "swiglu"):
+        raise ConfigError(f"model.activation={activation!r} is not one of 'gelu_tanh', 'gelu_exact', "
                           f"'relu', 'swiglu'")
-    if m.mlp_ratio < 0:
-        raise ConfigError(f"model.mlp_ratio={m.mlp_ratio} must be >= 0 (0 = use model.mlp_dim)")
-    if m.mlp_ratio > 0:
-        width = m.mlp_ratio * m.d_model
+    if mlp_ratio < 0:
+        raise ConfigError(f"model.mlp_ratio={mlp_ratio} must be >= 0 (0 = use model.mlp_dim)")
+    if mlp_ratio > 0:
+        width = mlp_ratio * m.d_model
         if width < 1 or abs(width - round(width)) > 1e-6:
             raise ConfigError(
-                f"model.mlp_ratio={m.mlp_ratio} × model.d_model={m.d_model} = {width:g} is not a whole "
+                f"model.mlp_ratio={mlp_ratio} × model.d_model={m.d_model} = {width:g} is not a whole "
                 f"number of units; pick a ratio that gives one, or set mlp_ratio=0 and model.mlp_dim")
 
 

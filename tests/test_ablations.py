@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from andrea_jax import interop, model, sampling, summary
-from andrea_jax.config import ConfigError, base_config, validate
+from andrea_jax.config import ConfigError, base_config, validate, validate_model
 from tests.test_model import forward, init, np_forward, np_gelu_tanh, np_layer_norm, small_model
 
 ANDREA_PARAMS = 92_331_264
@@ -256,3 +256,12 @@ def test_non_gpt2_features_name_each_switch():
     found = model.non_gpt2_features(m)
     assert len(found) == 3 and "model.norm_position='post'" in found[0] and "model.residual=False" in found[1]
     assert model.non_gpt2_features(small_model(mlp_ratio=4.0)) == []  # width is a shape interop checks itself
+
+
+def test_a_config_saved_before_the_switches_existed_still_builds_the_default():
+    keys = ("norm_position", "residual", "activation", "mlp_ratio")
+    old = ml_collections.ConfigDict({k: v for k, v in base_config().model.to_dict().items() if k not in keys})
+    assert not any(k in old for k in keys)
+    validate_model(old)
+    assert model.mlp_hidden_dim(old) == 3072 and model.non_gpt2_features(old) == []
+    assert summary.count(summary.param_shapes(old)) == ANDREA_PARAMS
