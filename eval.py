@@ -23,6 +23,9 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature (0 =
 _TOP_K = flags.DEFINE_integer("top_k", 200, "Sample among the k likeliest tokens (0 = all)")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample among the likeliest tokens holding this mass (1 = all)")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed")
+_TRACE = flags.DEFINE_string("trace", None, "Text to trace: what the model predicts after each block (logit lens), "
+                             "printed and drawn into <workdir>/trace_step<N>.png")
+_PLOT = flags.DEFINE_bool("plot", False, "Also draw the run's metrics.jsonl into <workdir>/metrics.png")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -109,6 +112,23 @@ def main(argv):
             say(f"--- sample (temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, top_p {_TOP_P.value}, "
                   f"seed {_SEED.value}) ---")
             say(_PROMPT.value + text, flush=True)
+        if _TRACE.value is not None:
+            from andrea_jax import logit_lens
+            png = os.path.join(workdir, f"trace_step{report['step']}.png") if leader else None
+            try:
+                with jax.set_mesh(restored.mesh):
+                    table = logit_lens.trace(restored.params, restored.config.model, restored.tokenizer,
+                                             _TRACE.value, png)
+            except ValueError as error:  # an empty text
+                raise evaluate.EvalError(str(error)) from error
+            say(table)
+            say(f"wrote {png}", flush=True)
+        if _PLOT.value and leader:
+            from andrea_jax import plotting
+            try:
+                say(f"wrote {plotting.plot_run(workdir)}", flush=True)
+            except ValueError as error:  # no training records yet
+                say(f"note: no plot: {error}", flush=True)
     except (ConfigError, DataError, checkpoint.CheckpointError, evaluate.EvalError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -206,6 +206,8 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
                     "lr": float(values[-1][1]["lr"]), "grad_norm": float(values[-1][1]["grad_norm"]),
                     "tokens_per_second": tokens_per_second,
                     "mfu": flops_per_step * interval_steps / elapsed / total_peak,
+                    # config.diagnostics: the per-block figures of the interval's last step
+                    **{key: float(value) for key, value in values[-1][1].items() if key.startswith("diag/")},
                 }
                 writer.write(done, last_record)
                 interval_losses.clear()

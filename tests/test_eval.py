@@ -131,3 +131,16 @@ def test_a_run_without_checkpoints_or_config(trained, tmp_path):
         evaluate.run_config(str(workdir))
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint for step 3 .*available steps: 5, 10"):
         evaluate.restore(trained, evaluate.run_config(trained), step=3)
+
+
+def test_trace_prints_a_row_per_depth_and_plot_draws_the_run(trained):
+    result = run_eval("--workdir", trained, "--trace", "the tea", "--plot")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.split()[:2] in (["0", "embed"], ["1", "block_0"],
+                                                                                ["2", "block_1"])]
+    assert len(rows) == 3  # the tiny model has 2 blocks: embedding + one row per block
+    for name in ("trace_step10.png", "metrics.png"):
+        path = os.path.join(trained, name)
+        assert os.path.getsize(path) > 10_000
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

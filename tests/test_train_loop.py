@@ -46,7 +46,7 @@ def losses(workdir, key="loss"):
 
 def test_metrics_records_and_falling_loss(tmp_path):
     workdir = str(tmp_path / "run")
-    last = train_loop.train(loop_config(tmp_path, steps=12), workdir, devices=jax.devices()[:1])
+    last = train_loop.train(loop_config(tmp_path, steps=12, diagnostics=True), workdir, devices=jax.devices()[:1])
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     train_records = [r for r in records if "loss" in r]
@@ -54,6 +54,10 @@ def test_metrics_records_and_falling_loss(tmp_path):
     for r in train_records:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_second", "mfu"} <= r.keys()
         assert r["tokens_per_second"] > 0 and 0 < r["mfu"] < 1
+        # config.diagnostics: per-block figures for both blocks, stream norms at every depth
+        assert {"diag/grad_norm/block_0", "diag/grad_norm/block_1", "diag/attn_delta_ratio/block_1",
+                "diag/mlp_delta_ratio/block_0", "diag/stream_norm/depth_2"} <= r.keys()
+        assert all(r[k] > 0 for k in r if k.startswith("diag/grad_norm"))
     assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
     assert train_records[-1]["loss"] < train_records[0]["loss"] - 0.5
     assert last["val_loss"] == records[-1]["val_loss"]
