@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from andrea_jax.config import padded_vocab_size
+from andrea_jax.model import mlp_hidden_dim
 
 # Dense bf16 peak per JAX device (a TPU v2/v3 device is one core: half a chip).
 # Substrings of `device.device_kind`, most specific first.
@@ -21,14 +22,19 @@ PEAK_BF16_FLOPS = [
 ]
 
 
+def _mlp_input_matrices(model_config: ml_collections.ConfigDict) -> int:
+    return 2 if model_config.get("activation", "gelu_tanh") == "swiglu" else 1
+
+
 def non_embedding_params(model_config: ml_collections.ConfigDict) -> int:
     """N of the 6N rule: all parameters but the position table (a lookup does no FLOPs).
 
     The tied token table counts once: it is the output matmul's weight.
     """
     m = model_config
-    d, f = m.d_model, m.mlp_dim
-    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+    d, f = m.d_model, mlp_hidden_dim(m)
+    mlp_in = _mlp_input_matrices(m)  # SwiGLU has a gate beside the up projection
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + mlp_in * (d * f + f) + (f * d + d)
     return m.n_layer * block + 2 * d + padded_vocab_size(m) * d
 
 
@@ -42,8 +48,8 @@ def flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int) -> fl
 def exact_flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int) -> float:
     """Training matmul FLOPs per token with the causal mask's half of attention skipped."""
     m = model_config
-    d, f = m.d_model, m.mlp_dim
-    matmul_weights = m.n_layer * (3 * d * d + d * d + 2 * d * f) + padded_vocab_size(m) * d
+    d, f = m.d_model, mlp_hidden_dim(m)
+    matmul_weights = m.n_layer * (3 * d * d + d * d + (_mlp_input_matrices(m) + 1) * d * f) + padded_vocab_size(m) * d
     # q·kᵀ and probs·v: 2 matmuls of 2·d FLOPs per (query, key) pair, on average (T+1)/2 keys.
     attention = m.n_layer * 2 * 2 * d * (seq_len + 1) / 2
     return 3 * (2 * matmul_weights + attention)

@@ -14,6 +14,7 @@ import numpy as np
 import ml_collections
 
 from andrea_jax.config import padded_vocab_size
+from andrea_jax.model import mlp_hidden_dim, non_gpt2_features
 
 PREFIX = "transformer."
 
@@ -70,6 +71,14 @@ def unstack_blocks(stacked: Mapping, n_layer: int) -> list[dict]:
     return [take(stacked, i) for i in range(n_layer)]
 
 
+def check_gpt2_architecture(m: ml_collections.ConfigDict) -> None:
+    """GPT-2 weights describe a pre-norm, residual, tanh-GELU model; an ablation variant is something else."""
+    features = non_gpt2_features(m)
+    if features:
+        raise ValueError(f"GPT-2 weights describe a pre-norm, residual, tanh-GELU model, but this config has "
+                         f"{'; '.join(features)}; set them back to their defaults to convert")
+
+
 def _check_shapes(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) -> None:
     wte = sd.get(PREFIX + "wte.weight")
     if wte is None:
@@ -78,6 +87,10 @@ def _check_shapes(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) ->
     found = dict(n_layer=n_layer, d_model=wte.shape[1], vocab_size=wte.shape[0],
                  max_len=sd[PREFIX + "wpe.weight"].shape[0],
                  mlp_dim=sd[PREFIX + "h.0.mlp.c_fc.weight"].shape[1])
+    mlp_width = found.pop("mlp_dim")
+    if mlp_hidden_dim(m) != mlp_width:
+        raise ValueError(f"the GPT-2 weights have mlp_dim={mlp_width} but the config gives an MLP width of "
+                         f"{mlp_hidden_dim(m)}; set --config.model.mlp_ratio=0 --config.model.mlp_dim={mlp_width}")
     for key, value in found.items():
         if int(m[key]) != value:
             raise ValueError(f"the GPT-2 weights have {key}={value} but model.{key}={m[key]}; "
@@ -86,6 +99,7 @@ def _check_shapes(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) ->
 
 def from_gpt2(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) -> dict:
     """HF GPT2LMHeadModel state dict (numpy arrays) -> float32 params of `Transformer(m)`."""
+    check_gpt2_architecture(m)
     sd = {k: np.asarray(v, dtype=np.float32) for k, v in sd.items() if not k.endswith((".attn.bias", ".masked_bias"))}
     _check_shapes(sd, m)
     wte = sd[PREFIX + "wte.weight"]
@@ -108,6 +122,7 @@ def from_gpt2(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) -> dic
 
 def to_gpt2(params: Mapping, m: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
     """Params of `Transformer(m)` -> HF GPT2LMHeadModel state dict (numpy float32)."""
+    check_gpt2_architecture(m)
     params = _to_numpy(params)
     if m.scan_layers:
         blocks = unstack_blocks(params["blocks"]["block"], m.n_layer)

@@ -18,7 +18,7 @@ CONFIG_FILE = "config.json"
 PROJECT = "andrea-jax"
 # Keys that decide the shapes or layout of the saved params.
 SHAPE_KEYS = ("n_layer", "d_model", "n_head", "mlp_dim", "vocab_size", "vocab_pad_multiple", "max_len",
-              "scan_layers")
+              "scan_layers", "norm_position", "residual", "activation", "mlp_ratio")
 
 
 def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
@@ -53,7 +53,7 @@ def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.Co
     model.vocab_size=0 (not yet taken from the tokenizer) is checked once it is resolved.
     """
     for key in SHAPE_KEYS:
-        old, new = saved.model.get(key), config.model.get(key)
+        old, new = saved.model.get(key), config.model.get(key)  # saved: read over the defaults
         if key == "vocab_size" and new == 0:
             continue
         if old != new:

@@ -27,3 +27,12 @@ def test_config_peak_wins():
     c = base_config()
     c.peak_flops = 1.5e12
     assert flops.peak_flops(c) == (1.5e12, "config.peak_flops")
+
+
+@pytest.mark.parametrize("variant", [dict(activation="swiglu"), dict(mlp_ratio=2.0), dict(mlp_ratio=8.0),
+                                     dict(activation="relu")])
+def test_six_n_counts_every_parameter_of_the_variants(variant):
+    from andrea_jax import summary
+    m = base_config().model
+    m.update(dict(n_layer=2, d_model=128, n_head=4, mlp_dim=512, vocab_size=101, max_len=64, **variant))
+    assert flops.non_embedding_params(m) == summary.count(summary.param_shapes(m)) - 64 * 128

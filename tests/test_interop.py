@@ -81,3 +81,21 @@ def _flatten(tree, prefix=""):
         else:
             out[prefix + k] = np.asarray(v)
     return out
+
+
+@pytest.mark.parametrize("variant", [dict(activation="swiglu"), dict(norm_position="post"), dict(residual=False),
+                                     dict(activation="relu")])
+def test_non_gpt2_variants_are_refused(variant):
+    m = small_model()
+    sd = interop.to_gpt2(init(m), m)
+    other = small_model(**variant)
+    with pytest.raises(ValueError, match="set them back to their defaults"):
+        interop.from_gpt2(sd, other)
+
+
+def test_mlp_ratio_that_misses_the_weights_names_the_fix():
+    m = small_model()
+    sd = interop.to_gpt2(init(m), m)
+    with pytest.raises(ValueError, match="set --config.model.mlp_ratio=0 --config.model.mlp_dim=256"):
+        interop.from_gpt2(sd, small_model(mlp_ratio=2.0))
+    assert interop.from_gpt2(sd, small_model(mlp_ratio=4.0))["block_0"]["mlp"]["fc_kernel"].shape == (64, 256)
