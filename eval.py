@@ -84,6 +84,7 @@ def main(argv):
         sys.exit(2)
 
     import jax
+    from jax.experimental import multihost_utils
     from andrea_jax import checkpoint, distributed, evaluate
     from andrea_jax.config import ConfigError
     from andrea_jax.data import DataError
@@ -95,7 +96,11 @@ def main(argv):
             evaluate.run_config(workdir)  # raises when the workdir holds no run
         restored = evaluate.restore(workdir, flags.FLAGS.config, _STEP.value)
         batches = restored.config.eval_batches if _BATCHES.value is None else _BATCHES.value
+        if not leader:  # the leader builds a missing validation cache; the others then read it
+            multihost_utils.sync_global_devices("andrea_eval_cache")
         split = evaluate.validation_split(restored.config, restored.tokenizer)
+        if leader and jax.process_count() > 1:
+            multihost_utils.sync_global_devices("andrea_eval_cache")
         report = evaluate.score(restored, split, batches)
         # Every process takes part in each computation (scoring, sampling); the leader reports.
         say = print if leader else (lambda *args, **kwargs: None)

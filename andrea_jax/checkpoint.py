@@ -128,13 +128,24 @@ class Checkpointer:
             except Exception as error:
                 raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable "
                                       f"({_first_line(error)}); pick another --step") from error
+        unreadable: list[tuple[int, Exception]] = []
         for candidate in reversed(steps):
             try:
-                return self._restore_step(candidate, abstract_state, params_only, expect)
+                restored = self._restore_step(candidate, abstract_state, params_only, expect)
             except CheckpointError:
                 raise
             except Exception as error:  # an unreadable step: fall back, and say so
-                self._skip_unreadable(candidate, error, [s for s in steps if s < candidate])
+                unreadable.append((candidate, error))
+                continue
+            # Newer steps are set aside only once an older one has been read: a passing
+            # fault (a flaky mount, memory) can then cost the steps since `candidate`,
+            # never the whole run.
+            for bad_step, error in unreadable:
+                self._skip_unreadable(bad_step, error, candidate)
+            return restored
+        for bad_step, error in unreadable:
+            logging.warning("checkpoint step %d in %s is unreadable (%s)", bad_step, self.directory,
+                            _first_line(error))
         if steps:
             # Starting over would overwrite what is there: leave that to the user.
             raise CheckpointError(f"no readable checkpoint in {self.directory} (steps "
@@ -142,7 +153,7 @@ class Checkpointer:
                                   f"or use a new --workdir")
         return None
 
-    def _skip_unreadable(self, step: int, error: Exception, older: list[int]) -> None:
+    def _skip_unreadable(self, step: int, error: Exception, fallback_step: int) -> None:
         where = "kept in place"
         if not self.read_only and jax.process_index() == 0:
             # Out of the manager's way, so the run can write this step again; kept for inspection.
@@ -156,7 +167,7 @@ class Checkpointer:
             if jax.process_count() > 1:
                 multihost_utils.sync_global_devices(f"andrea_checkpoint_aside_{step}")
             self._manager.reload()
-        fallback = f"falling back to step {older[-1]}" if older else "no older step to fall back to"
+        fallback = f"falling back to step {fallback_step}"
         logging.warning("checkpoint step %d in %s is unreadable (%s)", step, self.directory, _first_line(error))
         print(f"warning: checkpoint step {step} in {self.directory} is unreadable ({_first_line(error)}); "
               f"{where}; {fallback}", flush=True)

@@ -171,6 +171,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"optimizer.decay={o.decay!r} is not one of cosine, linear, constant")
     if not 0.0 <= o.min_learning_rate_ratio <= 1.0:
         raise ConfigError(f"optimizer.min_learning_rate_ratio={o.min_learning_rate_ratio} must be in [0, 1]")
+    if o.grad_clip_norm <= 0:
+        raise ConfigError(f"optimizer.grad_clip_norm={o.grad_clip_norm} must be positive (a clip of 0 zeroes "
+                          f"every gradient); use a large value such as 1e9 to turn clipping off")
     if o.warmup_steps < 0:
         raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
     for axis in ("data", "fsdp", "tensor"):

@@ -35,6 +35,7 @@ class _StopSignal:
 
     def __init__(self):
         self.received: str | None = None
+        self.announced = False
         self._previous = {}
 
     def __enter__(self):
@@ -46,9 +47,10 @@ class _StopSignal:
         return self
 
     def _handle(self, signum, frame):
+        # Only a flag: printing here could re-enter a write the progress bar is in the middle of.
         self.received = signal.Signals(signum).name
-        print(f"\n{self.received} received: finishing this step, then saving a checkpoint and stopping",
-              file=sys.stderr, flush=True)
+        # A second Ctrl-C stops at once.
+        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
 
     def __exit__(self, *exc_info):
         for sig, handler in self._previous.items():
@@ -137,9 +139,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
                 carried_losses = list(meta.get("log_interval_losses", []))
                 state = {"step": jax.device_put(np.int32(start_step), state_shardings["step"]), **restored_state}
                 if leader:
-                    metrics.truncate_after(workdir, start_step)
                     print(f"resumed from step {start_step} of {ckpt.directory}", flush=True)
             if leader:
+                # Records past the start step come from a run that stopped before saving them
+                # (also before its first checkpoint): they are logged again below.
+                metrics.truncate_after(workdir, start_step)
                 run_dir.save_config(workdir, config)
             writer = metrics.Writer(workdir, enabled=leader)  # after the truncation, which replaces the file
 
@@ -222,6 +226,10 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
                 progress.write(f"step {done}: val_loss {val_loss:.4f}")
                 interval_start, interval_steps = time.perf_counter(), 0
 
+            if stop.received and not stop.announced:
+                stop.announced = True
+                progress.write(f"{stop.received} received: saving a checkpoint, then stopping "
+                               f"(with several processes, at the next log step)", file=sys.stderr)
             stopping = _agreed(stop.received is not None, done, config)
             if done % config.checkpoint_every == 0 or done == config.steps or stopping:
                 drain(done)  # never save a state that followed a non-finite step

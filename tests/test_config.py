@@ -54,6 +54,7 @@ def test_config_files_are_the_expected_models():
     (dict(optimizer=dict(decay="step")), "optimizer.decay='step'"),
     (dict(mesh=dict(data=-1, fsdp=-1)), "only one of mesh.data"),
     (dict(steps=0), "steps=0 must be at least 1"),
+    (dict(optimizer=dict(grad_clip_norm=0.0)), "a clip of 0 zeroes every gradient"),
 ])
 def test_impossible_configs_name_the_fix(change, message):
     config = base_config()

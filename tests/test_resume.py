@@ -116,7 +116,7 @@ def test_sigterm_and_sigkill_lose_nothing_and_resume_exactly(run):
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=300)[0]
     assert process.returncode == 0, output[-3000:]
-    assert "SIGTERM received: finishing this step, then saving a checkpoint and stopping" in output
+    assert "SIGTERM received: saving a checkpoint, then stopping" in output
     stopped = int(output.split("stopped at step ")[1].split()[0])
     assert 6 <= stopped < STEPS, "the run ended before the signal; the test needs it to stop early"
     assert f"checkpoint saved in {workdir}/checkpoints; run the same command to resume" in output
