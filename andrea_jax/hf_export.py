@@ -129,7 +129,7 @@ def export(workdir: str, out: str, step: int | None = None, overwrite: bool = Fa
 
     _check_output(out, overwrite, "--out", keep=workdir)
     config = evaluate.run_config(workdir)
-    ablations = _non_gpt2_features(config.model)
+    ablations = model.non_gpt2_features(config.model)
     if ablations:
         raise ExportError(f"{workdir} trained a model that is not GPT-2's ({'; '.join(ablations)}), so "
                           f"GPT2LMHeadModel cannot hold it; export a run with the default architecture")
@@ -318,7 +318,7 @@ def import_run(path: str, workdir: str, config: ml_collections.ConfigDict | None
     config.model.update(overrides)
     if "mlp_ratio" in config.model:
         config.model.mlp_ratio = 0.0  # the width is the checkpoint's mlp_dim
-    ablations = _non_gpt2_features(config.model)
+    ablations = model.non_gpt2_features(config.model)
     if ablations:
         raise ExportError(f"the config sets {'; '.join(ablations)}, but a GPT-2 checkpoint needs GPT-2's "
                           f"architecture; leave those keys at their defaults")
@@ -357,12 +357,6 @@ def write_run(workdir: str, params: Mapping, config: ml_collections.ConfigDict, 
 
 
 # ---------------------------------------------------------------- shared
-
-def _non_gpt2_features(model_config: ml_collections.ConfigDict) -> list[str]:
-    """The model's switches away from GPT-2's architecture, where model.py has such switches."""
-    listed = getattr(model, "non_gpt2_features", None)
-    return listed(model_config) if listed else []
-
 
 def _host(tree):
     if isinstance(tree, Mapping):

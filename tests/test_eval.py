@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from andrea_jax import checkpoint, evaluate, metrics, sampling, train_loop, train_step
-from andrea_jax.data import token_cache
 from tests.test_checkpoint import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -250,8 +250,6 @@ def test_non_empty_output_needs_overwrite(run, tmp_path, capsys):
 
 
 def test_ablated_architecture_refuses_export(run, tmp_path, capsys):
-    if not hasattr(model, "non_gpt2_features"):
-        pytest.skip("this model.py has no architecture switches")
     workdir = tmp_path / "post_norm"
     workdir.mkdir()
     saved = json.load(open(os.path.join(run["workdir"], "config.json")))

@@ -1,6 +1,5 @@
 """Resuming a run: after a clean stop, a SIGTERM or a SIGKILL the logged numbers equal an unbroken run's."""
 
-import json
 import os
 import signal
 import subprocess

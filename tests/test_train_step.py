@@ -5,7 +5,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import flax.linen as nn
 import pytest
 
