@@ -37,8 +37,8 @@ def train_args(tmp_path, workdir):
     return ["train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
             "--config.model.n_layer=2", "--config.model.d_model=64", "--config.model.n_head=4",
             "--config.model.mlp_dim=256", "--config.model.max_len=32", "--config.model.vocab_size=0",
-            "--config.seq_len=32", "--config.batch_size=8", "--config.steps=16", "--config.log_every=2",
-            "--config.eval_every=8", "--config.eval_batches=2", "--config.checkpoint_every=4",
+            "--config.seq_len=32", "--config.batch_size=8", "--config.steps=40", "--config.log_every=2",
+            "--config.eval_every=20", "--config.eval_batches=2", "--config.checkpoint_every=4",
             "--config.optimizer.warmup_steps=2", "--config.peak_flops=1e11",
             f"--config.data.source=text:{corpus}", "--config.data.tokenizer=byte", "--config.data.val_fraction=0.2",
             f"--config.data.cache_dir={tmp_path / 'cache'}"]
@@ -84,21 +84,21 @@ def test_two_processes_train_resume_and_evaluate_like_one(tmp_path):
     while not checkpoint_4.is_dir() and time.time() < deadline and procs[0].poll() is None:
         time.sleep(0.2)
     assert checkpoint_4.is_dir(), log_tail(tmp_path / "multi0.log")
-    if procs[1].poll() is None:
-        procs[1].send_signal(signal.SIGKILL)
-        killed_at = time.time()
-        code = procs[0].wait(timeout=TIMEOUT_S * 6)
-        stopped_after = time.time() - killed_at
-        assert code != 0, "the surviving process should fail, not finish alone"
-        assert stopped_after < TIMEOUT_S * 6
-    else:  # finished before the kill landed on this (fast) machine: nothing to stop
-        wait_all(procs)
+    # 36 steps, 9 checkpoints and 2 evaluations remain: far longer than this poll's 0.2 s.
+    assert procs[1].poll() is None, "process 1 ended before it could be killed"
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    code = procs[0].wait(timeout=TIMEOUT_S * 6)
+    stopped_after = time.time() - killed_at
+    assert code != 0, "the surviving process should fail, not finish alone"
+    assert stopped_after < TIMEOUT_S * 6
+    assert not (multi / "checkpoints" / "40").exists()
 
     # Resume on 2 processes: the run continues exactly.
     assert wait_all(launch(train_args(tmp_path, multi), 2, 2, str(tmp_path / "resumed"))) == [0, 0], \
         log_tail(tmp_path / "resumed0.log")
     single_losses, multi_losses = records(single, "loss"), records(multi, "loss")
-    assert [s for s, _ in multi_losses] == [s for s, _ in single_losses] == list(range(2, 17, 2))
+    assert [s for s, _ in multi_losses] == [s for s, _ in single_losses] == list(range(2, 41, 2))
     for (_, a), (_, b) in zip(single_losses, multi_losses):
         assert b == pytest.approx(a, rel=2e-6)
     assert [v for _, v in records(multi, "val_loss")] == pytest.approx([v for _, v in records(single, "val_loss")],
@@ -108,12 +108,12 @@ def test_two_processes_train_resume_and_evaluate_like_one(tmp_path):
     eval_args = ["eval.py", "--workdir", str(multi), "--batches", "0", "--prompt", "def ", "--max_new_tokens", "8",
                  "--temperature", "0"]
     assert wait_all(launch(eval_args, 1, 4, str(tmp_path / "eval_single"))) == [0]
-    with open(multi / "eval_step16.json") as f:
+    with open(multi / "eval_step40.json") as f:
         one = json.load(f)
-    os.remove(multi / "eval_step16.json")
+    os.remove(multi / "eval_step40.json")
     assert wait_all(launch(eval_args, 2, 2, str(tmp_path / "eval_multi"))) == [0, 0], \
         log_tail(tmp_path / "eval_multi0.log")
-    with open(multi / "eval_step16.json") as f:
+    with open(multi / "eval_step40.json") as f:
         two = json.load(f)
     assert two["loss"] == pytest.approx(one["loss"], rel=2e-6)
     assert two["bits_per_byte"] == pytest.approx(one["bits_per_byte"], rel=2e-6)
