@@ -127,7 +127,7 @@ class Checkpointer:
                 raise
             except Exception as error:
                 raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable "
-                                      f"({_first_line(error)}); pick another --step") from error
+                                      f"({first_line(error)}); pick another --step") from error
         unreadable: list[tuple[int, Exception]] = []
         for candidate in reversed(steps):
             try:
@@ -145,7 +145,7 @@ class Checkpointer:
             return restored
         for bad_step, error in unreadable:
             logging.warning("checkpoint step %d in %s is unreadable (%s)", bad_step, self.directory,
-                            _first_line(error))
+                            first_line(error))
         if steps:
             # Starting over would overwrite what is there: leave that to the user.
             raise CheckpointError(f"no readable checkpoint in {self.directory} (steps "
@@ -168,8 +168,8 @@ class Checkpointer:
                 multihost_utils.sync_global_devices(f"andrea_checkpoint_aside_{step}")
             self._manager.reload()
         fallback = f"falling back to step {fallback_step}"
-        logging.warning("checkpoint step %d in %s is unreadable (%s)", step, self.directory, _first_line(error))
-        print(f"warning: checkpoint step {step} in {self.directory} is unreadable ({_first_line(error)}); "
+        logging.warning("checkpoint step %d in %s is unreadable (%s)", step, self.directory, first_line(error))
+        print(f"warning: checkpoint step {step} in {self.directory} is unreadable ({first_line(error)}); "
               f"{where}; {fallback}", flush=True)
 
     def wait(self) -> None:
@@ -181,6 +181,6 @@ class Checkpointer:
         self._manager.close()
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:160]}" if text else type(error).__name__

@@ -13,6 +13,7 @@ import time
 
 import jax
 
+from andrea_jax.checkpoint import first_line
 from andrea_jax.config import ConfigError
 
 # Environment variables that mean "this process is one of several".
@@ -64,8 +65,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                    shutdown_timeout_seconds=timeout_s)
     except Exception as error:  # the runtime's own message is many lines of RPC detail
         where = coordinator_address or "the cluster's coordinator"
-        first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"could not join the distributed run at {where} within {timeout_s}s ({first_line}); "
+        raise ConfigError(f"could not join the distributed run at {where} within {timeout_s}s "
+                          f"({first_line(error)}); "
                           f"check that process 0 runs and --coordinator_address/--num_processes/--process_id "
                           f"agree on every process") from error
     return True

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from andrea_jax.config import padded_vocab_size
-from andrea_jax.model import mlp_hidden_dim
+from andrea_jax.model import DTYPES, mlp_hidden_dim
 
 # Dense bf16 peak per JAX device (a TPU v2/v3 device is one core: half a chip).
 # Substrings of `device.device_kind`, most specific first.
@@ -55,7 +55,7 @@ def exact_flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int)
     return 3 * (2 * matmul_weights + attention)
 
 
-def device_peak_flops(device: jax.Device, dtype: str) -> float | None:
+def device_peak_flops(device: jax.Device) -> float | None:
     """The table's peak for this device, or None (CPUs and unknown accelerators)."""
     if device.platform == "cpu":
         return None
@@ -67,7 +67,7 @@ def device_peak_flops(device: jax.Device, dtype: str) -> float | None:
 
 def measure_matmul_flops(dtype: str, size: int = 1024, repeats: int = 5) -> float:
     """A measured ceiling: the best rate of a square matmul in `dtype` with float32 accumulation."""
-    jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
+    jdtype = DTYPES[dtype]
     a = jnp.ones((size, size), jdtype)
     matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     matmul(a, a).block_until_ready()
@@ -84,7 +84,7 @@ def peak_flops(config: ml_collections.ConfigDict) -> tuple[float, str]:
     if config.peak_flops > 0:
         return float(config.peak_flops), "config.peak_flops"
     device = jax.devices()[0]
-    peak = device_peak_flops(device, config.model.dtype)
+    peak = device_peak_flops(device)
     if peak is not None:
         return peak, f"{device.device_kind} bf16 peak"
     return measure_matmul_flops(config.model.dtype), f"measured {config.model.dtype} matmul rate"

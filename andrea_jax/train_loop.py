@@ -64,8 +64,7 @@ def _barrier(name: str):
 
 
 def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool) -> tuple[Any, ml_collections.ConfigDict]:
-    """Checks the workdir, prepares the data and fills in the tokenizer's vocabulary size."""
-    validate(config)
+    """Checks the workdir, prepares the data and fills in the tokenizer's vocabulary size (config validated)."""
     saved = run_dir.load_saved_config(workdir)
     read_by_all = _barrier("andrea_config_read")
     if read_by_all is not None:
@@ -175,7 +174,7 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
     interval_losses = [np.float32(loss) for loss in carried_losses]
     interval_start, interval_steps = time.perf_counter(), 0
 
-    def drain(step: int) -> list[tuple[int, dict]]:
+    def drain() -> list[tuple[int, dict]]:
         """Reads pending metrics (the one place the host waits) and stops on a non-finite step."""
         values = jax.device_get(pending)
         pending.clear()
@@ -202,7 +201,7 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
             progress.update(1)
 
             if done % config.log_every == 0 or done == config.steps:
-                values = drain(done)
+                values = drain()
                 elapsed = time.perf_counter() - interval_start
                 tokens_per_second = interval_steps * tokens_per_step / elapsed
                 last_record = {
@@ -232,7 +231,7 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
                                f"(with several processes, at the next log step)", file=sys.stderr)
             stopping = _agreed(stop.received is not None, done, config)
             if done % config.checkpoint_every == 0 or done == config.steps or stopping:
-                drain(done)  # never save a state that followed a non-finite step
+                drain()  # never save a state that followed a non-finite step
                 ckpt.save(done, state, {**meta, "data_step": done,
                                         "log_interval_losses": [float(loss) for loss in interval_losses]})
                 interval_start, interval_steps = time.perf_counter(), 0

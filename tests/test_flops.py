@@ -16,11 +16,11 @@ def test_andrea120m_flops_per_token_match_the_spec():
 def test_device_peak_table():
     class Device:
         platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
-    assert flops.device_peak_flops(Device(), "bfloat16") == 989e12
+    assert flops.device_peak_flops(Device()) == 989e12
     Device.device_kind = "TPU v4"
-    assert flops.device_peak_flops(Device(), "bfloat16") == 275e12
+    assert flops.device_peak_flops(Device()) == 275e12
     Device.platform, Device.device_kind = "cpu", "cpu"
-    assert flops.device_peak_flops(Device(), "float32") is None
+    assert flops.device_peak_flops(Device()) is None
 
 
 def test_config_peak_wins():
