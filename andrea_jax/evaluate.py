@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from andrea_jax import checkpoint, model, sampling, sharding
+from andrea_jax import atomic, checkpoint, model, sampling, sharding
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import ConfigError, validate
 from andrea_jax.data import pipeline, sources, token_cache
@@ -173,10 +173,7 @@ def score(restored: Restored, split: TokenSplit, batches: int) -> dict:
 def write_report(workdir: str, report: dict) -> str:
     """eval_step<N>.json in the workdir, written atomically; returns its path."""
     path = os.path.join(workdir, f"eval_step{report['step']}.json")
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(temporary, path)
+    atomic.write(path, json.dumps(report, indent=1))
     return path
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
+from andrea_jax import atomic
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -42,10 +44,7 @@ def truncate_after(workdir: str, step: int) -> None:
     kept = [r for r in records if r.get("step", 0) <= step]
     if len(kept) == len(records):
         return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, path)
+    atomic.write(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 class Writer:

@@ -12,6 +12,7 @@ import os
 
 import ml_collections
 
+from andrea_jax import atomic
 from andrea_jax.config import ConfigError, base_config
 
 CONFIG_FILE = "config.json"
@@ -66,7 +67,4 @@ def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     """Writes the resolved config atomically (a kill leaves the old file or the new one)."""
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, CONFIG_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"project": PROJECT, "config": json.loads(config.to_json())}, f, indent=2)
-    os.replace(tmp, path)
+    atomic.write(path, json.dumps({"project": PROJECT, "config": json.loads(config.to_json())}, indent=2))

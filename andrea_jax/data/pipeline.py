@@ -14,6 +14,7 @@ from typing import Callable
 
 import ml_collections
 
+from andrea_jax import atomic
 from andrea_jax.data import DataError, batcher, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.sources import Documents
@@ -138,10 +139,7 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepa
     _check_sizes(config, train, val)
     record = {"cache_directory": directory, "tokenizer_sha256": tokenizer.sha256,
               "source": splits.identity}
-    temporary = os.path.join(workdir, f"{RECORD_FILE}.tmp{os.getpid()}")
-    with open(temporary, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
-    os.replace(temporary, os.path.join(workdir, RECORD_FILE))
+    atomic.write(os.path.join(workdir, RECORD_FILE), json.dumps(record, indent=1))
     return Prepared(tokenizer, train, val)
 
 

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import tqdm
 
+from andrea_jax import atomic
 from andrea_jax.data import DataError
 from andrea_jax.data.sources import Documents
 from andrea_jax.data.tokenizer import Tokenizer, utf8_bytes
@@ -50,13 +51,6 @@ def cache_directory(cache_dir: str, identity: dict, tokenizer_sha256: str) -> st
 
 def _paths(directory: str, split: str) -> tuple[str, str]:
     return os.path.join(directory, f"{split}.bin"), os.path.join(directory, f"{split}.json")
-
-
-def _write_atomically(path: str, content: bytes) -> None:
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "wb") as f:
-        f.write(content)
-    os.replace(temporary, path)
 
 
 def load(directory: str, split: str, tokenizer_sha256: str) -> tuple[TokenSplit | None, str]:
@@ -159,7 +153,7 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
         "dtype": np.dtype(TOKEN_DTYPE).name, "num_tokens": num_tokens, "num_bytes": num_bytes,
         "num_documents": len(documents), "build_seconds": round(time.perf_counter() - started, 3),
     }
-    _write_atomically(manifest_path, json.dumps(manifest, indent=1).encode("utf-8"))
+    atomic.write(manifest_path, json.dumps(manifest, indent=1))
     cached, problem = load(directory, split, tokenizer.sha256)
     if cached is None:
         raise DataError(f"token cache {tokens_path} failed its check right after writing "

@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from andrea_jax import atomic
 from andrea_jax.data import DataError
 
 END_OF_TEXT = "<|endoftext|>"
@@ -89,10 +90,7 @@ class Tokenizer(abc.ABC):
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes `tokenizer.json` atomically (never a half-written file)."""
-        temporary = f"{os.fspath(path)}.tmp{os.getpid()}"
-        with open(temporary, "w", encoding="utf-8") as f:
-            f.write(self.to_json())
-        os.replace(temporary, path)
+        atomic.write(path, self.to_json())
 
 
 def _decode_table(table: Sequence[bytes], ids: Iterable[int], errors: str) -> str:
