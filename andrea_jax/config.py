@@ -44,7 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.vocab_size = ANDREA_VOCAB_SIZE  # 0 = take the tokenizer's size
     m.vocab_pad_multiple = 1  # 1 = exact vocabulary; 128 gives fast matmul shapes
     m.max_len = 1024
-    m.dtype = "float32"  # compute dtype; parameters are always float32
+    m.dtype = "float32"  # compute dtype: float32 | bfloat16 | float16 | auto; parameters are always float32
     m.dropout = 0.0
     m.layer_norm_epsilon = 1e-5
     m.attention = "xla"  # "xla" (einsum) or "dot_product" (jax.nn.dot_product_attention)
@@ -125,8 +125,8 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be positive (0 = from the tokenizer)")
     if m.vocab_pad_multiple < 1:
         raise ConfigError(f"model.vocab_pad_multiple={m.vocab_pad_multiple} must be at least 1 (1 = no padding)")
-    if m.dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"model.dtype={m.dtype!r} is not one of float32, bfloat16, float16")
+    if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"model.dtype={m.dtype!r} is not one of auto, float32, bfloat16, float16")
     if m.attention not in ("xla", "dot_product"):
         raise ConfigError(f"model.attention={m.attention!r} is not one of 'xla', 'dot_product'")
     if not 0.0 <= m.dropout < 1.0:

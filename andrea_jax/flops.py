@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from andrea_jax.config import padded_vocab_size
-from andrea_jax.model import DTYPES, mlp_hidden_dim
+from andrea_jax.model import mlp_hidden_dim
+from andrea_jax.precision import DTYPES, resolve_dtype_name
 
 # Dense bf16 peak per JAX device (a TPU v2/v3 device is one core: half a chip).
 # Substrings of `device.device_kind`, most specific first.
@@ -67,7 +68,7 @@ def device_peak_flops(device: jax.Device) -> float | None:
 
 def measure_matmul_flops(dtype: str, size: int = 1024, repeats: int = 5) -> float:
     """A measured ceiling: the best rate of a square matmul in `dtype` with float32 accumulation."""
-    jdtype = DTYPES[dtype]
+    jdtype = DTYPES[resolve_dtype_name(dtype)]
     a = jnp.ones((size, size), jdtype)
     matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     matmul(a, a).block_until_ready()
@@ -87,4 +88,5 @@ def peak_flops(config: ml_collections.ConfigDict) -> tuple[float, str]:
     peak = device_peak_flops(device)
     if peak is not None:
         return peak, f"{device.device_kind} bf16 peak"
-    return measure_matmul_flops(config.model.dtype), f"measured {config.model.dtype} matmul rate"
+    dtype = resolve_dtype_name(config.model.dtype)
+    return measure_matmul_flops(dtype), f"measured {dtype} matmul rate"

@@ -10,7 +10,8 @@ index of the tokens already cached, which offsets the new tokens' positions.
 
 Every parameter carries logical axis names; a rule table in the config maps
 them onto the device mesh. Parameters are float32; matmuls run in the compute
-dtype and accumulate in float32; softmax and logits are float32.
+dtype (`precision.py`; "auto" = the machine's fastest) and accumulate in float32,
+backward included; softmax and logits are float32.
 
 Ablations (config switches; the defaults are the model above, unchanged):
   norm_position="post":  x = LN_1(x + Attention(x));  x = LN_2(x + MLP(x)).
@@ -46,8 +47,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from andrea_jax.config import padded_vocab_size
+from andrea_jax.precision import compute_dtype, matmul
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 INIT_STD = 0.02  # GPT-2's normal init for weights and embeddings
 ACTIVATIONS = {
     "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
@@ -103,12 +104,6 @@ def _zeros(axes: tuple[str | None, ...]):
 
 def _ones(axes: tuple[str | None, ...]):
     return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
-
-
-def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype: Any) -> jax.Array:
-    """einsum in `dtype` with float32 accumulation (bf16 CPUs and GPUs are fast at it)."""
-    return jnp.einsum(spec, x.astype(dtype), kernel.astype(dtype),
-                      preferred_element_type=jnp.float32)
 
 
 class LayerNorm(nn.Module):
@@ -234,7 +229,7 @@ class Block(nn.Module):
     def __call__(self, x_BxLxD: jax.Array, deterministic: bool,
                  cache_index: jax.Array | None = None) -> jax.Array:
         m = self.config
-        dtype = DTYPES[m.dtype]
+        dtype = compute_dtype(m.dtype)
         # GPT-2: residual projections shrink with depth so the stream's variance
         # does not grow with the number of blocks; each block starts near identity.
         residual_std = INIT_STD / math.sqrt(2 * m.n_layer)
@@ -279,7 +274,7 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, ids_BxL: jax.Array, deterministic: bool = True, decode: bool = False) -> jax.Array:
         m = self.config
-        dtype = DTYPES[m.dtype]
+        dtype = compute_dtype(m.dtype)
         _, length = ids_BxL.shape
         vocab_rows = padded_vocab_size(m)
         token_embed = self.param("token_embed", _normal(INIT_STD, ("vocab", "embed")),
@@ -324,7 +319,7 @@ class Transformer(nn.Module):
 def tied_logits(x_BxLxD: jax.Array, token_embed: jax.Array, model_config: ml_collections.ConfigDict) -> jax.Array:
     """The output head after LN_f: x · token_embed.T in float32, padding columns masked out."""
     m = model_config
-    logits_BxLxV = matmul(x_BxLxD, token_embed, "bld,vd->blv", DTYPES[m.dtype])
+    logits_BxLxV = matmul(x_BxLxD, token_embed, "bld,vd->blv", compute_dtype(m.dtype))
     if token_embed.shape[0] > m.vocab_size:
         # Padding rows exist only for matmul shapes: they can never be predicted.
         real_V = jnp.arange(token_embed.shape[0]) < m.vocab_size
@@ -335,7 +330,7 @@ def tied_logits(x_BxLxD: jax.Array, token_embed: jax.Array, model_config: ml_col
 def head(params: dict, model_config: ml_collections.ConfigDict, x_BxLxD: jax.Array) -> jax.Array:
     """LN_f and the tied output applied to any stream (the logit lens reads each depth with it)."""
     m = model_config
-    normed_BxLxD = LayerNorm(m.layer_norm_epsilon, DTYPES[m.dtype]).apply({"params": params["ln_f"]}, x_BxLxD)
+    normed_BxLxD = LayerNorm(m.layer_norm_epsilon, compute_dtype(m.dtype)).apply({"params": params["ln_f"]}, x_BxLxD)
     return tied_logits(normed_BxLxD, params["token_embed"], m)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import checkpoint, flops, metrics, optimizer, sharding, summary, train_step
+from andrea_jax import checkpoint, flops, metrics, optimizer, precision, sharding, summary, train_step
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
@@ -77,6 +77,7 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool) -> tu
     config = ml_collections.ConfigDict(config.to_dict())
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size
+    config.model.dtype = precision.resolve_dtype_name(config.model.dtype)  # the record says what ran
     if saved is not None:
         run_dir.check_compatible(saved, config, workdir)
     # An existing run's config.json is rewritten by `train` once its checkpoints are known to fit.
@@ -110,7 +111,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
                                                                config.seq_len))
     if leader:
         print(summary.format_table(config.model))
-        print(f"mesh {sharding.describe(mesh)}; {tokens_per_step:,} tokens a step; "
+        print(f"mesh {sharding.describe(mesh)}; compute {config.model.dtype}; {tokens_per_step:,} tokens a step; "
               f"MFU in the nanoGPT/PaLM convention ({flops_per_token / 1e6:.1f} MFLOP a token) "
               f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})", flush=True)
 

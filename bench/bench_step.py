@@ -1,15 +1,18 @@
 """Train-step throughput: the project's jitted step against the PyTorch reference, side by side.
 
-    python bench/bench_step.py [--only mid,shakespeare] [--rounds 5] [--torch-compile] [--no-torch]
+    python bench/bench_step.py [--only mid,shakespeare] [--dtypes float32,bfloat16] [--rounds 5]
+                               [--torch-compile] [--no-torch]
 
 Cases: shakespeare (configs/shakespeare_char.py), mid (6L d384, seq 256, batch 8,
-vocab 8449), a120_f32 / a120_bf16 (configs/andrea120m.py at seq 128, batch 4);
-gpu120m (context 1024, batch 32, bf16) is for accelerators (bench/gpu.sh).
-Each round runs one repetition of every contender, in rotating order, so that
-the other work on a shared machine slows all alike; medians are reported.
-The matmul ceilings (2048³, float32 and bfloat16 with float32 accumulation)
-run in the same rounds. MFU is against the measured matmul rate of the case's
-compute dtype (as the training loop does on a CPU) or the device's table peak.
+vocab 8449), a120 (configs/andrea120m.py at seq 128, batch 4); gpu120m (context
+1024, batch 32, bf16) is for accelerators (bench/gpu.sh).
+On a CPU every case runs in float32 and in bfloat16, JAX and PyTorch alike
+(PyTorch's bfloat16 is autocast): four contenders. Each round runs one
+repetition of every contender, in rotating order, so that the other work on a
+shared machine slows all alike; medians are reported. The matmul ceilings
+(2048³, float32 and bfloat16 with float32 accumulation) run in the same rounds.
+MFU is against the measured matmul rate of the contender's compute dtype (as the
+training loop does on a CPU) or the device's table peak.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-DEFAULT_CASES = ["shakespeare", "mid", "a120_f32", "a120_bf16"]
+DEFAULT_CASES = ["shakespeare", "mid", "a120"]
 
 
 def torch_contender(config, compile: bool):
@@ -50,60 +53,76 @@ def torch_contender(config, compile: bool):
 
 
 def bench_case(name: str, args, matmul_reps: dict) -> list[dict]:
-    config = harness.make_case(name)
-    nanogpt_flops, exact_flops = harness.flops_per_step(config)
-    tokens = config.batch_size * config.seq_len
-    contenders, compile_s = {}, {}
+    base = harness.make_case(name)
+    nanogpt_flops, exact_flops = harness.flops_per_step(base)
+    tokens = base.batch_size * base.seq_len
+    device = jax.devices()[0]
+    if args.dtypes:
+        dtypes = args.dtypes.split(",")
+    elif device.platform == "cpu":
+        dtypes = ["float32", "bfloat16"]  # both, so that each ratio is measured, not assumed
+    else:
+        dtypes = [base.model.dtype]
+    contenders, compile_s, dtype_of = {}, {}, {}
+    jax_steps = []
 
-    jax_step = harness.JaxStep(config)
-    compile_s["jax"] = jax_step.compile()
-    first = jax_step.run(1)
-    jax_k = harness.steps_per_rep(first, args.rep_seconds)
-    contenders["jax"] = lambda: jax_step.run(jax_k)
+    for dtype in dtypes:
+        config = harness.with_dtype(base, dtype)
+        jax_step = harness.JaxStep(config)
+        jax_steps.append(jax_step)
+        label = f"jax {dtype}"
+        compile_s[label] = jax_step.compile()
+        k = harness.steps_per_rep(jax_step.run(1), args.rep_seconds)
+        contenders[label] = (lambda jax_step=jax_step, k=k: jax_step.run(k))
+        dtype_of[label] = dtype
 
     torch_modes = [] if args.no_torch else [False] + ([True] if args.torch_compile else [])
-    for compiled in torch_modes:
-        label = "torch.compile" if compiled else "torch eager"
-        try:
-            made = torch_contender(config, compiled)
-        except Exception as error:  # torch.compile may need a toolchain this machine lacks
-            print(f"{name}: {label} failed: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
-            continue
-        if made is None:
-            break
-        run, compile_s[label] = made
-        k = harness.steps_per_rep(run(1), args.rep_seconds)
-        contenders[label] = (lambda run=run, k=k: run(k))
+    for dtype in dtypes:
+        for compiled in torch_modes:
+            label = f"{'torch.compile' if compiled else 'torch eager'} {dtype}"
+            try:
+                made = torch_contender(harness.with_dtype(base, dtype), compiled)
+            except Exception as error:  # torch.compile may need a toolchain this machine lacks
+                print(f"{name}: {label} failed: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
+                continue
+            if made is None:
+                break
+            run, compile_s[label] = made
+            k = harness.steps_per_rep(run(1), args.rep_seconds)
+            contenders[label] = (lambda run=run, k=k: run(k))
+            dtype_of[label] = dtype
 
     reps = dict(contenders)
     reps.update(matmul_reps)
     samples = harness.interleave(reps, args.rounds)
     step_s = {label: harness.median(samples[label]) for label in contenders}
 
-    device = jax.devices()[0]
-    table_peak = flops.device_peak_flops(device, config.model.dtype)
-    if table_peak is not None:
-        peak, peak_source = table_peak, f"{device.device_kind} table peak"
-    else:
-        peak_label = "matmul " + config.model.dtype
-        peak, peak_source = harness.median(samples[peak_label]), f"measured {config.model.dtype} matmul"
     f32_rate = harness.median(samples["matmul float32"]) if "matmul float32" in samples else None
+    torch_f32 = step_s.get("torch eager float32", float("nan"))
     rows = []
     for label, seconds in step_s.items():
+        dtype = dtype_of[label]
+        table_peak = flops.device_peak_flops(device, dtype)
+        if table_peak is not None:
+            peak, peak_source = table_peak, f"{device.device_kind} table peak"
+        else:
+            peak, peak_source = harness.median(samples["matmul " + dtype]), f"measured {dtype} matmul"
         rows.append(dict(
-            case=name, shape=harness.describe_case(config), impl=label, step_s=seconds,
+            case=name, shape=harness.describe_case(base), impl=label, step_s=seconds,
             step_min_s=min(samples[label]), tokens_per_s=tokens / seconds,
             gflops_nanogpt=nanogpt_flops / seconds / 1e9, gflops_exact=exact_flops / seconds / 1e9,
             mfu_nanogpt=nanogpt_flops / seconds / peak, mfu_exact=exact_flops / seconds / peak,
             peak_source=peak_source, peak_gflops=peak / 1e9,
             of_f32_matmul=None if f32_rate is None else exact_flops / seconds / f32_rate,
-            speed_vs_torch=step_s.get("torch eager", float("nan")) / seconds,
+            speed_vs_torch=torch_f32 / seconds,
+            speed_vs_torch_same_dtype=step_s.get(f"torch eager {dtype}", float("nan")) / seconds,
             compile_s=compile_s.get(label, float("nan")) - seconds,  # the first step less a steady one
             samples=samples[label]))
     for label in matmul_reps:
         rows.append(dict(case=name, impl=label, gflops=harness.median(samples[label]) / 1e9,
                          gflops_best=max(samples[label]) / 1e9))
-    jax_step.close()
+    for jax_step in jax_steps:
+        jax_step.close()
     return rows
 
 
@@ -119,6 +138,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="1 = single-threaded JAX (--xla_cpu_multi_thread_eigen=false) and torch; "
                              "0 = all cores (the default). One thread is the fair comparison on a loaded machine.")
+    parser.add_argument("--dtypes", default="",
+                        help="compute dtypes to time, e.g. float32,bfloat16 (default: both on a CPU, "
+                             "the case's own on an accelerator); PyTorch runs bfloat16 under autocast")
     parser.add_argument("--json", help="also write every sample here")
     args = parser.parse_args()
     if args.threads == 1:  # must be set before jax is imported
@@ -154,17 +176,19 @@ def main() -> None:
                           f"{r['tokens_per_s']:,.0f}", f"{r['gflops_nanogpt']:.1f}", f"{r['gflops_exact']:.1f}",
                           f"{100 * r['mfu_nanogpt']:.1f}%", f"{100 * r['mfu_exact']:.1f}%",
                           "" if r["of_f32_matmul"] is None else f"{100 * r['of_f32_matmul']:.0f}%",
-                          f"{r['speed_vs_torch']:.2f}×", f"{r['compile_s']:.1f}"])
+                          f"{r['speed_vs_torch']:.2f}×", f"{r['speed_vs_torch_same_dtype']:.2f}×",
+                          f"{r['compile_s']:.1f}"])
         else:
             table.append([r["case"], r["impl"], "", "", "", f"{r['gflops']:.1f} (best {r['gflops_best']:.1f})",
-                          "", "", "", "", "", ""])
+                          "", "", "", "", "", "", ""])
     print(f"\nload average at end {harness.load_average()}; shapes: "
           + "; ".join(sorted({f"{r['case']} = {r['shape']}" for r in rows if 'shape' in r})))
     peaks = sorted({f"{r['case']}: {r['peak_source']} {r['peak_gflops']:.0f} GFLOP/s" for r in rows if "peak_source" in r})
     print("MFU peak: " + "; ".join(peaks))
     print(harness.format_table(
         ["case", "impl", "step ms (median)", "step ms (min)", "tokens/s", "GFLOP/s 6N", "GFLOP/s exact",
-         "MFU 6N", "MFU exact", "exact / f32 matmul", "speed vs torch eager", "compile s"], table))
+         "MFU 6N", "MFU exact", "exact / f32 matmul", "speed vs torch eager float32",
+         "speed vs torch eager, same dtype", "compile s"], table))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from andrea_jax import flops, optimizer, sharding, train_step
+from andrea_jax import flops, optimizer, precision, sharding, train_step
 from andrea_jax.config import ANDREA_VOCAB_SIZE, base_config, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,19 +50,27 @@ def make_case(name: str, **model_overrides) -> ml_collections.ConfigDict:
         m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.max_len = 6, 384, 6, 1536, 256
         m.vocab_size = ANDREA_VOCAB_SIZE
         c.seq_len, c.batch_size = 256, 8
-    elif name in ("a120_f32", "a120_bf16"):  # configs/andrea120m.py on a CPU-sized batch
+    elif name in ("a120", "a120_f32", "a120_bf16"):  # configs/andrea120m.py on a CPU-sized batch
         c = _project_config("andrea120m")
         c.seq_len, c.batch_size = 128, 4
-        c.model.dtype = "float32" if name == "a120_f32" else "bfloat16"
+        c.model.dtype = {"a120": c.model.dtype, "a120_f32": "float32", "a120_bf16": "bfloat16"}[name]
     elif name == "gpu120m":  # the accelerator check: context 1024, bf16, no remat
         c = _project_config("andrea120m")
         c.model.dtype, c.model.remat = "bfloat16", False
         c.seq_len = 1024
     else:
-        raise ValueError(f"unknown case {name!r}; pick one of shakespeare, mid, a120_f32, a120_bf16, gpu120m")
+        raise ValueError(f"unknown case {name!r}; pick one of shakespeare, mid, a120, a120_f32, a120_bf16, gpu120m")
     for key, value in model_overrides.items():
         c.model[key] = value
+    c.model.dtype = precision.resolve_dtype_name(c.model.dtype)  # the table names what ran
     validate(c)
+    return c
+
+
+def with_dtype(config: ml_collections.ConfigDict, dtype: str) -> ml_collections.ConfigDict:
+    """A copy of a case in another compute dtype."""
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.model.dtype = dtype
     return c
 
 

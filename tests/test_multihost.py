@@ -37,6 +37,7 @@ def train_args(tmp_path, workdir):
     return ["train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
             "--config.model.n_layer=2", "--config.model.d_model=64", "--config.model.n_head=4",
             "--config.model.mlp_dim=256", "--config.model.max_len=32", "--config.model.vocab_size=0",
+            "--config.model.dtype=float32",
             "--config.seq_len=32", "--config.batch_size=8", "--config.steps=40", "--config.log_every=2",
             "--config.eval_every=20", "--config.eval_batches=2", "--config.checkpoint_every=4",
             "--config.optimizer.warmup_steps=2", "--config.peak_flops=1e11",

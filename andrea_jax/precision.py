@@ -1,0 +1,94 @@
+"""Mixed precision: which compute dtype a machine runs fastest, and a matmul that stays in it.
+
+Parameters, optimizer state, LayerNorm statistics, softmax and logits are always
+float32; `model.dtype` is the dtype the matmul operands are rounded to. "auto"
+picks bfloat16 where the hardware multiplies it natively (GPUs, TPUs, CPUs with
+AVX-512 BF16 or AMX) and float32 elsewhere, where bfloat16 would be emulated
+and slower.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU advertises bfloat16 dot-product instructions (Linux /proc/cpuinfo flags)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:  # not Linux: no way to tell, so no claim
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    return any(flag in flags for flag in CPU_BF16_FLAGS)
+
+
+def resolve_dtype_name(name: str, backend: str | None = None, cpuinfo: str | None = None) -> str:
+    """`model.dtype` with "auto" replaced by this machine's fastest compute dtype."""
+    if name != "auto":
+        return name
+    backend = backend or jax.default_backend()
+    if backend != "cpu" or cpu_has_bf16(cpuinfo):
+        return "bfloat16"
+    return "float32"
+
+
+def compute_dtype(name: str):
+    """The jnp dtype of a `model.dtype` value ("auto" resolved)."""
+    return DTYPES[resolve_dtype_name(name)]
+
+
+def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def low_precision_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum of two operands of one low-precision dtype, accumulated in float32.
+
+    Autodiff of `_einsum_f32` would multiply the float32 cotangent by the
+    low-precision operand, which XLA runs as a float32 matmul: two thirds of a
+    training step's FLOPs would miss the bf16 units. Here the cotangent is rounded
+    to the operands' dtype first (as mixed-precision training does on every
+    framework), so the backward matmuls take the fast path too.
+    `spec` is "a,b->out" where every index of a or b appears in one of the other two.
+    """
+    return _einsum_f32(spec, a, b)
+
+
+def _low_precision_einsum_fwd(spec, a, b):
+    return _einsum_f32(spec, a, b), (a, b)
+
+
+def _low_precision_einsum_bwd(spec, residuals, cotangent):
+    a, b = residuals
+    operands, out = spec.split("->")
+    spec_a, spec_b = operands.split(",")
+    g = cotangent.astype(a.dtype)
+    grad_a = _einsum_f32(f"{out},{spec_b}->{spec_a}", g, b).astype(a.dtype)
+    grad_b = _einsum_f32(f"{spec_a},{out}->{spec_b}", a, g).astype(b.dtype)
+    return grad_a, grad_b
+
+
+low_precision_einsum.defvjp(_low_precision_einsum_fwd, _low_precision_einsum_bwd)
+
+
+def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype) -> jax.Array:
+    """x·kernel (an einsum `spec`) in `dtype` with float32 accumulation, forward and backward.
+
+    For activations times weights. (Not for attention's batched products: XLA:CPU
+    has no kernel for some of their bf16 backward layouts; they keep autodiff's.)
+    """
+    if dtype == jnp.float32:
+        return _einsum_f32(spec, x.astype(dtype), kernel.astype(dtype))
+    return low_precision_einsum(spec, x.astype(dtype), kernel.astype(dtype))

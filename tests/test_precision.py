@@ -1,0 +1,103 @@
+"""Mixed precision: the "auto" compute dtype and the matmul whose backward stays in bfloat16."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from andrea_jax import model, precision, train_step
+from andrea_jax.config import ConfigError, base_config, validate
+
+CPUINFO_WITH_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile\n"
+CPUINFO_WITHOUT = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n"
+
+
+@pytest.mark.parametrize("name, backend, cpuinfo, expected", [
+    ("auto", "cpu", CPUINFO_WITH_BF16, "bfloat16"),
+    ("auto", "cpu", CPUINFO_WITHOUT, "float32"),
+    ("auto", "cpu", "", "float32"),
+    ("auto", "gpu", CPUINFO_WITHOUT, "bfloat16"),
+    ("auto", "tpu", CPUINFO_WITHOUT, "bfloat16"),
+    ("float32", "gpu", CPUINFO_WITH_BF16, "float32"),
+    ("bfloat16", "cpu", CPUINFO_WITHOUT, "bfloat16"),
+])
+def test_auto_dtype_follows_the_hardware_and_explicit_names_stay(name, backend, cpuinfo, expected):
+    assert precision.resolve_dtype_name(name, backend=backend, cpuinfo=cpuinfo) == expected
+
+
+def test_config_accepts_auto_and_names_the_choices_on_a_typo():
+    c = base_config()
+    c.model.dtype = "auto"
+    validate(c)
+    c.model.dtype = "bf16"
+    with pytest.raises(ConfigError, match="not one of auto, float32, bfloat16, float16"):
+        validate(c)
+
+
+SPECS = {  # every einsum the model routes through precision.matmul, at small shapes
+    "bld,dthk->blthk": ((2, 5, 8), (8, 3, 2, 4)),
+    "blhk,hkd->bld": ((2, 5, 2, 4), (2, 4, 8)),
+    "bld,df->blf": ((2, 5, 8), (8, 12)),
+    "blf,fd->bld": ((2, 5, 12), (12, 8)),
+    "bld,vd->blv": ((2, 5, 8), (11, 8)),
+}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_low_precision_backward_is_the_bf16_product_of_the_rounded_cotangent(spec):
+    shape_a, shape_b = SPECS[spec]
+    ka, kb, kg = jax.random.split(jax.random.key(0), 3)
+    a = jax.random.normal(ka, shape_a).astype(jnp.bfloat16)
+    b = jax.random.normal(kb, shape_b).astype(jnp.bfloat16)
+    out, vjp = jax.vjp(lambda x, y: precision.low_precision_einsum(spec, x, y), a, b)
+    assert out.dtype == jnp.float32
+    g = jax.random.normal(kg, out.shape, jnp.float32)
+    grad_a, grad_b = vjp(g)
+    assert grad_a.dtype == grad_b.dtype == jnp.bfloat16
+
+    # The reference: float64 products of the bf16 operands and the bf16-rounded cotangent.
+    operands, out_spec = spec.split("->")
+    spec_a, spec_b = operands.split(",")
+    f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
+    g16 = f64(g.astype(jnp.bfloat16))
+    want_a = np.einsum(f"{out_spec},{spec_b}->{spec_a}", g16, f64(b))
+    want_b = np.einsum(f"{spec_a},{out_spec}->{spec_b}", f64(a), g16)
+    # Within one bf16 rounding (2^-8 relative) of the exact product.
+    np.testing.assert_allclose(f64(grad_a), want_a, rtol=2 ** -8, atol=1e-6 * np.abs(want_a).max())
+    np.testing.assert_allclose(f64(grad_b), want_b, rtol=2 ** -8, atol=1e-6 * np.abs(want_b).max())
+    # And close to float32 autodiff of the same einsum (what the cotangent rounding costs).
+    ref_a, ref_b = jax.vjp(lambda x, y: jnp.einsum(spec, x.astype(jnp.float32), y.astype(jnp.float32)), a, b)[1](g)
+    assert np.abs(f64(grad_a) - f64(ref_a)).max() <= 0.02 * np.abs(f64(ref_a)).max()
+    assert np.abs(f64(grad_b) - f64(ref_b)).max() <= 0.02 * np.abs(f64(ref_b)).max()
+
+
+def _dot_operand_dtypes(stablehlo: str) -> list[tuple[str, str]]:
+    """(lhs, rhs) element types of every dot_general in a StableHLO module."""
+    pairs = []
+    for line in stablehlo.splitlines():
+        if "stablehlo.dot_general" in line:
+            types = re.search(r":\s*\(tensor<[^>]*x(\w+)>,\s*tensor<[^>]*x(\w+)>\)", line)
+            pairs.append(types.groups())
+    return pairs
+
+
+def test_bf16_gradient_runs_every_weight_matmul_in_bf16_forward_and_backward():
+    c = base_config()
+    m = c.model
+    m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.max_len, m.vocab_size = 2, 32, 2, 64, 16, 50
+    m.dtype = "bfloat16"
+    params = jax.tree.map(lambda p: p.value if hasattr(p, "value") else p,
+                          model.init_params(m, jax.random.key(0)), is_leaf=lambda p: hasattr(p, "value"))
+    batch = jnp.zeros((2, 9), jnp.int32)
+    grad_fn = jax.grad(lambda p, b: train_step.cross_entropy(p, m, b, None))
+    text = jax.jit(grad_fn).lower(params, batch).as_text()
+    pairs = _dot_operand_dtypes(text)
+    all_bf16 = sum(1 for lhs, rhs in pairs if lhs == rhs == "bf16")
+    # Per layer: 4 weight matmuls (qkv, out, fc, proj), plus the tied output; each
+    # runs once forward and twice backward. Attention's own two products add more.
+    weight_matmuls = 4 * m.n_layer + 1
+    assert all_bf16 >= 3 * weight_matmuls, pairs
+    # What remains in float32 is attention's backward only (at most 4 products a layer).
+    assert len(pairs) - all_bf16 <= 4 * m.n_layer, pairs
