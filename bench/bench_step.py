@@ -102,7 +102,7 @@ def bench_case(name: str, args, matmul_reps: dict) -> list[dict]:
     rows = []
     for label, seconds in step_s.items():
         dtype = dtype_of[label]
-        table_peak = flops.device_peak_flops(device, dtype)
+        table_peak = flops.device_peak_flops(device)
         if table_peak is not None:
             peak, peak_source = table_peak, f"{device.device_kind} table peak"
         else:

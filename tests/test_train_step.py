@@ -113,3 +113,13 @@ def test_loss_at_init_is_log_vocab():
     batch = np.random.default_rng(1).integers(0, VOCAB, (8, 17)).astype(np.int32)
     loss = float(train_step.cross_entropy(state["params"], config.model, jnp.asarray(batch), None))
     assert loss == pytest.approx(np.log(VOCAB), abs=0.05)
+
+
+def test_bf16_steps_on_a_sharded_mesh_track_one_device_and_float32():
+    # The bf16 backward (precision.low_precision_einsum) under fsdp and tensor sharding:
+    # it must run on every per-device layout and stay close to one device and to float32.
+    one_device, _, _ = run_steps(small_config(**{"model.dtype": "bfloat16"}), (1, 1, 1))
+    sharded, _, _ = run_steps(small_config(**{"model.dtype": "bfloat16"}), (2, 2, 2))
+    float32, _, _ = run_steps(small_config(), (1, 1, 1))
+    np.testing.assert_allclose(sharded, one_device, rtol=2e-3)
+    np.testing.assert_allclose(one_device, float32, rtol=1e-2)
