@@ -53,34 +53,41 @@ def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def low_precision_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """einsum of two operands of one low-precision dtype, accumulated in float32.
+def einsum_f32_accumulate(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum of two operands of one dtype, accumulated in float32, with a written-out backward.
 
-    Autodiff of `_einsum_f32` would multiply the float32 cotangent by the
-    low-precision operand, which XLA runs as a float32 matmul: two thirds of a
-    training step's FLOPs would miss the bf16 units. Here the cotangent is rounded
-    to the operands' dtype first (as mixed-precision training does on every
-    framework), so the backward matmuls take the fast path too.
+    Autodiff of `_einsum_f32` would multiply the float32 cotangent by a bf16
+    operand, which XLA runs as a float32 matmul: two thirds of a training step's
+    FLOPs would miss the bf16 units. Here the cotangent is rounded to the
+    operands' dtype first (as mixed-precision training does on every framework),
+    so the backward matmuls take the fast path too. For float32 operands the
+    rounding is a no-op.
+
+    The cotangent also passes an optimization barrier: XLA:CPU otherwise fuses the
+    elementwise work that produces it (softmax and LayerNorm backward, residual
+    sums) into the transposes that feed the two products, and recomputes it in
+    each; materialising it once made the float32 step about 1.1x faster (see
+    bench/RESULTS.md).
     `spec` is "a,b->out" where every index of a or b appears in one of the other two.
     """
     return _einsum_f32(spec, a, b)
 
 
-def _low_precision_einsum_fwd(spec, a, b):
+def _einsum_f32_accumulate_fwd(spec, a, b):
     return _einsum_f32(spec, a, b), (a, b)
 
 
-def _low_precision_einsum_bwd(spec, residuals, cotangent):
+def _einsum_f32_accumulate_bwd(spec, residuals, cotangent):
     a, b = residuals
     operands, out = spec.split("->")
     spec_a, spec_b = operands.split(",")
-    g = cotangent.astype(a.dtype)
+    g = jax.lax.optimization_barrier(cotangent.astype(a.dtype))
     grad_a = _einsum_f32(f"{out},{spec_b}->{spec_a}", g, b).astype(a.dtype)
     grad_b = _einsum_f32(f"{spec_a},{out}->{spec_b}", a, g).astype(b.dtype)
     return grad_a, grad_b
 
 
-low_precision_einsum.defvjp(_low_precision_einsum_fwd, _low_precision_einsum_bwd)
+einsum_f32_accumulate.defvjp(_einsum_f32_accumulate_fwd, _einsum_f32_accumulate_bwd)
 
 
 def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype) -> jax.Array:
@@ -89,6 +96,4 @@ def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype) -> jax.Array:
     For activations times weights. (Not for attention's batched products: XLA:CPU
     has no kernel for some of their bf16 backward layouts; they keep autodiff's.)
     """
-    if dtype == jnp.float32:
-        return _einsum_f32(spec, x.astype(dtype), kernel.astype(dtype))
-    return low_precision_einsum(spec, x.astype(dtype), kernel.astype(dtype))
+    return einsum_f32_accumulate(spec, x.astype(dtype), kernel.astype(dtype))

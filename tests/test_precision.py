@@ -52,7 +52,7 @@ def test_low_precision_backward_is_the_bf16_product_of_the_rounded_cotangent(spe
     ka, kb, kg = jax.random.split(jax.random.key(0), 3)
     a = jax.random.normal(ka, shape_a).astype(jnp.bfloat16)
     b = jax.random.normal(kb, shape_b).astype(jnp.bfloat16)
-    out, vjp = jax.vjp(lambda x, y: precision.low_precision_einsum(spec, x, y), a, b)
+    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y), a, b)
     assert out.dtype == jnp.float32
     g = jax.random.normal(kg, out.shape, jnp.float32)
     grad_a, grad_b = vjp(g)
@@ -124,3 +124,19 @@ def test_bf16_gradient_runs_at_odd_shapes_and_matches_float32(d_model, n_head, v
     for g16, g32 in zip(jax.tree.leaves(grads["bfloat16"]), jax.tree.leaves(grads["float32"])):
         assert np.all(np.isfinite(g16))
         assert np.abs(g16 - g32).max() <= 0.05 * np.abs(g32).max() + 1e-7
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_float32_backward_equals_autodiff(spec):
+    # The written-out backward serves float32 too (the default model): there it must
+    # be autodiff's, to float32 rounding.
+    shape_a, shape_b = SPECS[spec]
+    ka, kb, kg = jax.random.split(jax.random.key(3), 3)
+    a, b = jax.random.normal(ka, shape_a), jax.random.normal(kb, shape_b)
+    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y), a, b)
+    g = jax.random.normal(kg, out.shape)
+    ref_out, ref_vjp = jax.vjp(lambda x, y: jnp.einsum(spec, x, y), a, b)
+    np.testing.assert_array_equal(out, ref_out)
+    for got, want in zip(vjp(g), ref_vjp(g)):
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
