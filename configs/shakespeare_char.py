@@ -16,7 +16,7 @@ def get_config():
     m = c.model
     m.n_layer, m.d_model, m.n_head, m.mlp_dim = 4, 128, 4, 512
     m.max_len = 64
-    m.dtype = "auto"  # bfloat16 matmuls where the CPU has them (1.3-1.6x a step), else float32
+    m.dtype = "auto"  # bfloat16 matmuls where the CPU has them (1.3-1.5x a step), else float32
     m.vocab_size = 0  # the character set of the text + end-of-text
     c.seq_len = 64
     c.batch_size = 12

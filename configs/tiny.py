@@ -10,7 +10,7 @@ def get_config():
     m = c.model
     m.n_layer, m.d_model, m.n_head, m.mlp_dim = 4, 256, 4, 1024
     m.max_len = 256
-    m.dtype = "auto"  # bfloat16 matmuls where the CPU has them (1.3-1.6x a step), else float32
+    m.dtype = "auto"  # bfloat16 matmuls where the CPU has them (1.3-1.5x a step), else float32
     c.seq_len = 128
     c.batch_size = 16
     c.steps = 1000

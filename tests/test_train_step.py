@@ -116,7 +116,7 @@ def test_loss_at_init_is_log_vocab():
 
 
 def test_bf16_steps_on_a_sharded_mesh_track_one_device_and_float32():
-    # The bf16 backward (precision.low_precision_einsum) under fsdp and tensor sharding:
+    # The bf16 backward (precision.einsum_f32_accumulate) under fsdp and tensor sharding:
     # it must run on every per-device layout and stay close to one device and to float32.
     one_device, _, _ = run_steps(small_config(**{"model.dtype": "bfloat16"}), (1, 1, 1))
     sharded, _, _ = run_steps(small_config(**{"model.dtype": "bfloat16"}), (2, 2, 2))
