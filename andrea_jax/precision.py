@@ -61,13 +61,13 @@ def einsum_f32_accumulate(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     FLOPs would miss the bf16 units. Here the cotangent is rounded to the
     operands' dtype first (as mixed-precision training does on every framework),
     so the backward matmuls take the fast path too. For float32 operands the
-    rounding is a no-op.
+    rounding is a no-op; float16 keeps a float32 backward.
 
-    The cotangent also passes an optimization barrier: XLA:CPU otherwise fuses the
-    elementwise work that produces it (softmax and LayerNorm backward, residual
-    sums) into the transposes that feed the two products, and recomputes it in
-    each; materialising it once made the float32 step about 1.1x faster (see
-    bench/RESULTS.md).
+    On a CPU the cotangent also passes an optimization barrier: XLA:CPU otherwise
+    fuses the elementwise work that produces it (softmax and LayerNorm backward,
+    residual sums) into the transposes that feed the two products, and recomputes
+    it in each; materialising it once made the float32 step about 1.1x faster
+    (see bench/RESULTS.md).
     `spec` is "a,b->out" where every index of a or b appears in one of the other two.
     """
     return _einsum_f32(spec, a, b)
@@ -81,9 +81,15 @@ def _einsum_f32_accumulate_bwd(spec, residuals, cotangent):
     a, b = residuals
     operands, out = spec.split("->")
     spec_a, spec_b = operands.split(",")
-    g = jax.lax.optimization_barrier(cotangent.astype(a.dtype))
-    grad_a = _einsum_f32(f"{out},{spec_b}->{spec_a}", g, b).astype(a.dtype)
-    grad_b = _einsum_f32(f"{spec_a},{out}->{spec_b}", a, g).astype(b.dtype)
+    # float16's range is too narrow for unscaled gradients (there is no loss scaling
+    # here): its backward products stay in float32.
+    backward_dtype = jnp.float32 if a.dtype == jnp.float16 else a.dtype
+    g = cotangent.astype(backward_dtype)
+    if jax.default_backend() == "cpu":  # measured there only; accelerators fuse differently
+        g = jax.lax.optimization_barrier(g)
+    a_, b_ = a.astype(backward_dtype), b.astype(backward_dtype)
+    grad_a = _einsum_f32(f"{out},{spec_b}->{spec_a}", g, b_).astype(a.dtype)
+    grad_b = _einsum_f32(f"{spec_a},{out}->{spec_b}", a_, g).astype(b.dtype)
     return grad_a, grad_b
 
 

@@ -140,3 +140,15 @@ def test_float32_backward_equals_autodiff(spec):
     for got, want in zip(vjp(g), ref_vjp(g)):
         assert got.dtype == jnp.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_float16_backward_keeps_small_gradients():
+    # An unscaled float16 cotangent of 2e-8 rounds to zero; the float16 backward
+    # runs in float32 and only its sums (64 x 2e-8) are rounded.
+    a = jnp.ones((64, 8), jnp.float16)
+    b = jnp.ones((8, 64), jnp.float16)
+    _, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate("td,dn->tn", x, y), a, b)
+    grad_a, grad_b = vjp(jnp.full((64, 64), 2e-8, jnp.float32))
+    assert grad_a.dtype == grad_b.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(grad_a, np.float32), 64 * 2e-8, rtol=0.05)
+    np.testing.assert_allclose(np.asarray(grad_b, np.float32), 64 * 2e-8, rtol=0.05)
