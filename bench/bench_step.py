@@ -105,8 +105,10 @@ def bench_case(name: str, args, matmul_reps: dict) -> list[dict]:
         table_peak = flops.device_peak_flops(device)
         if table_peak is not None:
             peak, peak_source = table_peak, f"{device.device_kind} table peak"
-        else:
+        elif "matmul " + dtype in samples:
             peak, peak_source = harness.median(samples["matmul " + dtype]), f"measured {dtype} matmul"
+        else:  # --no-matmul on a CPU: no ceiling, no MFU
+            peak, peak_source = float("nan"), "no peak (--no-matmul)"
         rows.append(dict(
             case=name, shape=harness.describe_case(base), impl=label, step_s=seconds,
             step_min_s=min(samples[label]), tokens_per_s=tokens / seconds,
