@@ -30,7 +30,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_every = 1000
     c.keep_checkpoints = 3
     # Peak FLOP/s used for MFU when the device is not in the known table
-    # (0 = measure the float32 matmul rate of this device at start-up).
+    # (0 = measure the matmul rate of this device in the compute dtype at start-up).
     c.peak_flops = 0.0
     # Per-block gradient norms, sub-layer delta ratios and stream norms among the
     # train step's metrics (keys "diag/..."); a few reductions a step.

@@ -2,13 +2,15 @@
 
 Parameters, optimizer state, LayerNorm statistics, softmax and logits are always
 float32; `model.dtype` is the dtype the matmul operands are rounded to. "auto"
-picks bfloat16 where the hardware multiplies it natively (GPUs, TPUs, CPUs with
-AVX-512 BF16 or AMX) and float32 elsewhere, where bfloat16 would be emulated
-and slower.
+picks bfloat16 where the hardware multiplies it natively (TPUs, NVIDIA GPUs from
+compute capability 8.0 (A100, H100, ...), CPUs with AVX-512 BF16 or AMX) and
+float32 elsewhere (T4, V100, most laptops), where bfloat16 would be emulated and
+slower.
 """
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import jax
@@ -16,31 +18,42 @@ import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+MIN_CUDA_CAPABILITY_FOR_BF16 = 8.0  # Ampere: the first NVIDIA tensor cores with bf16
+
+
+@functools.cache
+def _read_cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:  # not Linux: no way to tell, so no claim
+        return ""
 
 
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
     """Whether the CPU advertises bfloat16 dot-product instructions (Linux /proc/cpuinfo flags)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:  # not Linux: no way to tell, so no claim
-            return False
     flags = set()
-    for line in cpuinfo.splitlines():
+    for line in (_read_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[1].split())
     return any(flag in flags for flag in CPU_BF16_FLAGS)
 
 
-def resolve_dtype_name(name: str, backend: str | None = None, cpuinfo: str | None = None) -> str:
-    """`model.dtype` with "auto" replaced by this machine's fastest compute dtype."""
+def device_has_bf16(device, cpuinfo: str | None = None) -> bool:
+    """Whether `device` multiplies bfloat16 natively."""
+    if device.platform == "cpu":
+        return cpu_has_bf16(cpuinfo)
+    capability = getattr(device, "compute_capability", None)  # CUDA devices only
+    if capability is not None:
+        return float(capability) >= MIN_CUDA_CAPABILITY_FOR_BF16
+    return True  # TPUs, and GPUs that report no capability (ROCm's MI200+ have bf16)
+
+
+def resolve_dtype_name(name: str, device=None, cpuinfo: str | None = None) -> str:
+    """`model.dtype` with "auto" replaced by the fastest compute dtype of `device` (default: the first)."""
     if name != "auto":
         return name
-    backend = backend or jax.default_backend()
-    if backend != "cpu" or cpu_has_bf16(cpuinfo):
-        return "bfloat16"
-    return "float32"
+    return "bfloat16" if device_has_bf16(device or jax.devices()[0], cpuinfo) else "float32"
 
 
 def compute_dtype(name: str):
@@ -52,38 +65,40 @@ def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def einsum_f32_accumulate(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """einsum of two operands of one dtype, accumulated in float32, with a written-out backward.
+@partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def einsum_f32_accumulate(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """einsum of `a` and `b` rounded to `dtype`, accumulated in float32, with a written-out backward.
 
-    Autodiff of `_einsum_f32` would multiply the float32 cotangent by a bf16
-    operand, which XLA runs as a float32 matmul: two thirds of a training step's
-    FLOPs would miss the bf16 units. Here the cotangent is rounded to the
-    operands' dtype first (as mixed-precision training does on every framework),
-    so the backward matmuls take the fast path too. For float32 operands the
-    rounding is a no-op; float16 keeps a float32 backward.
+    Autodiff of `_einsum_f32` on bf16 operands would multiply the float32
+    cotangent by a bf16 operand, which XLA runs as a float32 matmul: two thirds of
+    a training step's FLOPs would miss the bf16 units. Here the cotangent is
+    rounded to `dtype` first (as mixed-precision training does on every
+    framework), so the backward matmuls take the fast path too; their float32
+    results are returned in the operands' own dtypes, so a float32 weight gets its
+    gradient unrounded. For float32 the rounding is a no-op; float16 keeps float32
+    backward products (its range is too narrow for unscaled cotangents; there is
+    no loss scaling here), though a float16 activation's gradient is float16.
 
     On a CPU the cotangent also passes an optimization barrier: XLA:CPU otherwise
     fuses the elementwise work that produces it (softmax and LayerNorm backward,
     residual sums) into the transposes that feed the two products, and recomputes
     it in each; materialising it once made the float32 step about 1.1x faster
-    (see bench/RESULTS.md).
-    `spec` is "a,b->out" where every index of a or b appears in one of the other two.
+    (see bench/RESULTS.md). Being a custom_vjp, it supports reverse mode only.
+    `spec` is "a,b->out": no "...", no index repeated within an operand, and every
+    index of a or b appears in one of the other two.
     """
-    return _einsum_f32(spec, a, b)
+    return _einsum_f32(spec, a.astype(dtype), b.astype(dtype))
 
 
-def _einsum_f32_accumulate_fwd(spec, a, b):
-    return _einsum_f32(spec, a, b), (a, b)
+def _einsum_f32_accumulate_fwd(spec, a, b, dtype):
+    return _einsum_f32(spec, a.astype(dtype), b.astype(dtype)), (a, b)
 
 
-def _einsum_f32_accumulate_bwd(spec, residuals, cotangent):
+def _einsum_f32_accumulate_bwd(spec, dtype, residuals, cotangent):
     a, b = residuals
     operands, out = spec.split("->")
     spec_a, spec_b = operands.split(",")
-    # float16's range is too narrow for unscaled gradients (there is no loss scaling
-    # here): its backward products stay in float32.
-    backward_dtype = jnp.float32 if a.dtype == jnp.float16 else a.dtype
+    backward_dtype = jnp.float32 if dtype == jnp.float16 else dtype
     g = cotangent.astype(backward_dtype)
     if jax.default_backend() == "cpu":  # measured there only; accelerators fuse differently
         g = jax.lax.optimization_barrier(g)
@@ -102,4 +117,7 @@ def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype) -> jax.Array:
     For activations times weights. (Not for attention's batched products: XLA:CPU
     has no kernel for some of their bf16 backward layouts; they keep autodiff's.)
     """
-    return einsum_f32_accumulate(spec, x.astype(dtype), kernel.astype(dtype))
+    operands = spec.split("->")[0].split(",")
+    if "." in spec or any(len(set(s)) != len(s) for s in operands):
+        raise ValueError(f"einsum spec {spec!r}: no '...' and no index repeated within an operand")
+    return einsum_f32_accumulate(spec, x, kernel, dtype)

@@ -63,8 +63,10 @@ def _barrier(name: str):
     return lambda: multihost_utils.sync_global_devices(name)
 
 
-def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool) -> tuple[Any, ml_collections.ConfigDict]:
-    """Checks the workdir, prepares the data and fills in the tokenizer's vocabulary size (config validated)."""
+def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
+            device: Any = None) -> tuple[Any, ml_collections.ConfigDict]:
+    """Checks the workdir, prepares the data, fills in the tokenizer's vocabulary size and the
+    compute dtype "auto" stands for on `device` (config validated)."""
     saved = run_dir.load_saved_config(workdir)
     read_by_all = _barrier("andrea_config_read")
     if read_by_all is not None:
@@ -77,7 +79,9 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool) -> tu
     config = ml_collections.ConfigDict(config.to_dict())
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size
-    config.model.dtype = precision.resolve_dtype_name(config.model.dtype)  # the record says what ran
+    if config.model.dtype == "auto" and saved is not None and saved.model.get("dtype", "auto") != "auto":
+        config.model.dtype = saved.model.dtype  # a resumed run keeps computing as it did
+    config.model.dtype = precision.resolve_dtype_name(config.model.dtype, device)  # the record says what ran
     if saved is not None:
         run_dir.check_compatible(saved, config, workdir)
     # An existing run's config.json is rewritten by `train` once its checkpoints are known to fit.
@@ -100,7 +104,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
     leader = jax.process_index() == 0
     validate(config)
     mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation
-    prepared, config = resolve(config, workdir, leader)
+    prepared, config = resolve(config, workdir, leader, device=mesh.devices.flat[0])
     axis_rules = sharding.rules(config)
     tx = optimizer.make(config)
     schedule = optimizer.learning_rate_schedule(config)

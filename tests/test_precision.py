@@ -15,17 +15,26 @@ CPUINFO_WITH_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf1
 CPUINFO_WITHOUT = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n"
 
 
-@pytest.mark.parametrize("name, backend, cpuinfo, expected", [
-    ("auto", "cpu", CPUINFO_WITH_BF16, "bfloat16"),
-    ("auto", "cpu", CPUINFO_WITHOUT, "float32"),
-    ("auto", "cpu", "", "float32"),
-    ("auto", "gpu", CPUINFO_WITHOUT, "bfloat16"),
-    ("auto", "tpu", CPUINFO_WITHOUT, "bfloat16"),
-    ("float32", "gpu", CPUINFO_WITH_BF16, "float32"),
-    ("bfloat16", "cpu", CPUINFO_WITHOUT, "bfloat16"),
+class FakeDevice:
+    def __init__(self, platform, compute_capability=None):
+        self.platform = platform
+        if compute_capability is not None:
+            self.compute_capability = compute_capability
+
+
+@pytest.mark.parametrize("name, device, cpuinfo, expected", [
+    ("auto", FakeDevice("cpu"), CPUINFO_WITH_BF16, "bfloat16"),
+    ("auto", FakeDevice("cpu"), CPUINFO_WITHOUT, "float32"),
+    ("auto", FakeDevice("cpu"), "", "float32"),
+    ("auto", FakeDevice("gpu", "9.0"), CPUINFO_WITHOUT, "bfloat16"),  # H100/H200
+    ("auto", FakeDevice("gpu", "8.0"), CPUINFO_WITHOUT, "bfloat16"),  # A100
+    ("auto", FakeDevice("gpu", "7.5"), CPUINFO_WITH_BF16, "float32"),  # T4: no bf16 tensor cores
+    ("auto", FakeDevice("tpu"), CPUINFO_WITHOUT, "bfloat16"),
+    ("float32", FakeDevice("gpu", "9.0"), CPUINFO_WITH_BF16, "float32"),
+    ("bfloat16", FakeDevice("cpu"), CPUINFO_WITHOUT, "bfloat16"),
 ])
-def test_auto_dtype_follows_the_hardware_and_explicit_names_stay(name, backend, cpuinfo, expected):
-    assert precision.resolve_dtype_name(name, backend=backend, cpuinfo=cpuinfo) == expected
+def test_auto_dtype_follows_the_hardware_and_explicit_names_stay(name, device, cpuinfo, expected):
+    assert precision.resolve_dtype_name(name, device=device, cpuinfo=cpuinfo) == expected
 
 
 def test_config_accepts_auto_and_names_the_choices_on_a_typo():
@@ -52,7 +61,7 @@ def test_low_precision_backward_is_the_bf16_product_of_the_rounded_cotangent(spe
     ka, kb, kg = jax.random.split(jax.random.key(0), 3)
     a = jax.random.normal(ka, shape_a).astype(jnp.bfloat16)
     b = jax.random.normal(kb, shape_b).astype(jnp.bfloat16)
-    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y), a, b)
+    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y, jnp.bfloat16), a, b)
     assert out.dtype == jnp.float32
     g = jax.random.normal(kg, out.shape, jnp.float32)
     grad_a, grad_b = vjp(g)
@@ -133,7 +142,7 @@ def test_float32_backward_equals_autodiff(spec):
     shape_a, shape_b = SPECS[spec]
     ka, kb, kg = jax.random.split(jax.random.key(3), 3)
     a, b = jax.random.normal(ka, shape_a), jax.random.normal(kb, shape_b)
-    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y), a, b)
+    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y, jnp.float32), a, b)
     g = jax.random.normal(kg, out.shape)
     ref_out, ref_vjp = jax.vjp(lambda x, y: jnp.einsum(spec, x, y), a, b)
     np.testing.assert_array_equal(out, ref_out)
@@ -142,13 +151,20 @@ def test_float32_backward_equals_autodiff(spec):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_float16_backward_keeps_small_gradients():
+def test_float16_backward_keeps_small_weight_gradients():
     # An unscaled float16 cotangent of 2e-8 rounds to zero; the float16 backward
-    # runs in float32 and only its sums (64 x 2e-8) are rounded.
-    a = jnp.ones((64, 8), jnp.float16)
-    b = jnp.ones((8, 64), jnp.float16)
-    _, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate("td,dn->tn", x, y), a, b)
-    grad_a, grad_b = vjp(jnp.full((64, 64), 2e-8, jnp.float32))
-    assert grad_a.dtype == grad_b.dtype == jnp.float16
-    np.testing.assert_allclose(np.asarray(grad_a, np.float32), 64 * 2e-8, rtol=0.05)
-    np.testing.assert_allclose(np.asarray(grad_b, np.float32), 64 * 2e-8, rtol=0.05)
+    # multiplies in float32 and a float32 weight gets its gradient unrounded.
+    x = jnp.ones((4, 8), jnp.float16)
+    w = jnp.ones((8, 3), jnp.float32)
+    loss = lambda x, w: 2e-8 * precision.matmul(x, w, "td,dn->tn", jnp.float16).sum()
+    grad_x, grad_w = jax.grad(loss, argnums=(0, 1))(x, w)
+    assert grad_x.dtype == jnp.float16 and grad_w.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(grad_w), 4 * 2e-8, rtol=1e-6)  # four rows of 2e-8
+    # The bf16 path returns a float32 weight's gradient in float32 as well.
+    grad_w16 = jax.grad(lambda w: precision.matmul(x, w, "td,dn->tn", jnp.bfloat16).sum())(w)
+    assert grad_w16.dtype == jnp.float32
+
+
+def test_matmul_refuses_specs_its_backward_cannot_transpose():
+    with pytest.raises(ValueError, match="no index repeated"):
+        precision.matmul(jnp.ones((3, 3)), jnp.ones((3,)), "ii,i->i", jnp.float32)

@@ -112,3 +112,22 @@ def test_train_py_rejects_bad_configs_with_one_line(tmp_path, override, message)
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and message in error_lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_auto_dtype_is_recorded_and_kept_on_resume(tmp_path, monkeypatch):
+    from andrea_jax import precision
+    with_bf16, without = "flags\t: fpu avx512f avx512_bf16\n", "flags\t: fpu avx2\n"
+    saved_dtype = lambda workdir: json.load(open(os.path.join(workdir, "config.json")))["config"]["model"]["dtype"]
+    workdir = str(tmp_path / "run")
+    monkeypatch.setattr(precision, "_read_cpuinfo", lambda: with_bf16)
+    train_loop.train(loop_config(tmp_path, steps=2, **{"model.dtype": "auto"}), workdir, devices=jax.devices()[:1])
+    assert saved_dtype(workdir) == "bfloat16"
+    # Resumed on a CPU without bf16: the run keeps the dtype it has been computing in.
+    monkeypatch.setattr(precision, "_read_cpuinfo", lambda: without)
+    train_loop.train(loop_config(tmp_path, steps=4, **{"model.dtype": "auto"}), workdir, devices=jax.devices()[:1])
+    assert saved_dtype(workdir) == "bfloat16"
+    assert [step for step, _ in losses(workdir)] == [2, 4]
+    # A new run there computes in float32.
+    fresh = str(tmp_path / "fresh")
+    train_loop.train(loop_config(tmp_path, steps=2, **{"model.dtype": "auto"}), fresh, devices=jax.devices()[:1])
+    assert saved_dtype(fresh) == "float32"
