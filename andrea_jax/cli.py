@@ -18,9 +18,11 @@ DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
 
 def run(main: Callable[[], None]) -> None:
     """Joins the cluster if there is one, runs `main`, and turns user errors into one line and exit code 2."""
-    from andrea_jax import checkpoint, distributed, train_loop
+    from andrea_jax import checkpoint, distributed, host_memory, train_loop
     from andrea_jax.config import ConfigError
     from andrea_jax.data import DataError
+
+    host_memory.keep_freed_memory()
 
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # library INFO chatter hides the progress bar

@@ -155,7 +155,9 @@ def main() -> None:
             pass
     global jax, flops, harness
     import jax
-    from andrea_jax import flops
+    from andrea_jax import flops, host_memory
+    # As train.py runs (andrea_jax/cli.py); PyTorch in this process gets the same allocator.
+    host_memory.keep_freed_memory()
     from bench import harness
     print(harness.header("python bench/bench_step.py " + " ".join(sys.argv[1:])), flush=True)
 
