@@ -6,8 +6,6 @@ import sys
 
 import pytest
 
-from andrea_jax import host_memory
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 20 "steps" that each allocate, touch and free a 64 MB buffer; prints the minor page
 # faults of the last 19 (the first one faults its pages in either way).
