@@ -10,7 +10,7 @@ import ml_collections
 
 from andrea_jax.config import padded_vocab_size
 from andrea_jax.model import mlp_hidden_dim
-from andrea_jax.precision import DTYPES, resolve_dtype_name
+from andrea_jax.precision import compute_dtype, resolve_dtype_name
 
 # Dense bf16 peak per JAX device (a TPU v2/v3 device is one core: half a chip).
 # Substrings of `device.device_kind`, most specific first.
@@ -68,7 +68,7 @@ def device_peak_flops(device: jax.Device) -> float | None:
 
 def measure_matmul_flops(dtype: str, size: int = 1024, repeats: int = 5) -> float:
     """A measured ceiling: the best rate of a square matmul in `dtype` with float32 accumulation."""
-    jdtype = DTYPES[resolve_dtype_name(dtype)]
+    jdtype = compute_dtype(dtype)
     a = jnp.ones((size, size), jdtype)
     matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     matmul(a, a).block_until_ready()

@@ -11,7 +11,6 @@ slower.
 from __future__ import annotations
 
 import functools
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +64,7 @@ def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def einsum_f32_accumulate(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     """einsum of `a` and `b` rounded to `dtype`, accumulated in float32, with a written-out backward.
 

@@ -67,7 +67,7 @@ def bench_case(name: str, args, matmul_reps: dict) -> list[dict]:
     jax_steps = []
 
     for dtype in dtypes:
-        config = harness.with_dtype(base, dtype)
+        config = harness.make_case(name, dtype=dtype)
         jax_step = harness.JaxStep(config)
         jax_steps.append(jax_step)
         label = f"jax {dtype}"
@@ -81,7 +81,7 @@ def bench_case(name: str, args, matmul_reps: dict) -> list[dict]:
         for compiled in torch_modes:
             label = f"{'torch.compile' if compiled else 'torch eager'} {dtype}"
             try:
-                made = torch_contender(harness.with_dtype(base, dtype), compiled)
+                made = torch_contender(harness.make_case(name, dtype=dtype), compiled)
             except Exception as error:  # torch.compile may need a toolchain this machine lacks
                 print(f"{name}: {label} failed: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
                 continue

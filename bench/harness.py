@@ -67,13 +67,6 @@ def make_case(name: str, **model_overrides) -> ml_collections.ConfigDict:
     return c
 
 
-def with_dtype(config: ml_collections.ConfigDict, dtype: str) -> ml_collections.ConfigDict:
-    """A copy of a case in another compute dtype."""
-    c = ml_collections.ConfigDict(config.to_dict())
-    c.model.dtype = dtype
-    return c
-
-
 def describe_case(c: ml_collections.ConfigDict) -> str:
     m = c.model
     return (f"{m.n_layer}L d{m.d_model} h{m.n_head} mlp{m.mlp_dim} V{m.vocab_size} "
