@@ -7,7 +7,9 @@ Cases: shakespeare (configs/shakespeare_char.py), mid (6L d384, seq 256, batch 8
 vocab 8449), a120 (configs/andrea120m.py at seq 128, batch 4); gpu120m (context
 1024, batch 32, bf16) is for accelerators (bench/gpu.sh).
 On a CPU every case runs in float32 and in bfloat16, JAX and PyTorch alike
-(PyTorch's bfloat16 is autocast): four contenders. Each round runs one
+(PyTorch's bfloat16 is autocast): four contenders. PyTorch runs in a child
+process (bench/torch_worker.py), so that its allocations and threads do not
+change the JAX process's heap between repetitions. Each round runs one
 repetition of every contender, in rotating order, so that the other work on a
 shared machine slows all alike; medians are reported. The matmul ceilings
 (2048³, float32 and bfloat16 with float32 accumulation) run in the same rounds.
@@ -18,8 +20,10 @@ training loop does on a CPU) or the device's table peak.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -28,28 +32,33 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 DEFAULT_CASES = ["shakespeare", "mid", "a120"]
 
 
-def torch_contender(config, compile: bool):
-    """(name, one-repetition callable) of the PyTorch reference, or None when torch is missing."""
-    try:
-        import torch
-        from bench import torch_reference
-    except ImportError:
-        return None
-    step = torch_reference.TrainStep(config, compile=compile)
-    batches = [torch.from_numpy(b).long() for b in harness.random_batches(config, 4)]
-    counter = [0]
+class TorchWorker:
+    """bench/torch_worker.py in a child process: PyTorch's contenders, out of the JAX process."""
 
-    def run(steps: int) -> float:
-        started = time.perf_counter()
-        for _ in range(steps):
-            loss = step(batches[counter[0] % len(batches)])
-            counter[0] += 1
-        loss.item()
-        return (time.perf_counter() - started) / steps
+    def __init__(self, threads: int):
+        env = dict(os.environ, ANDREA_TORCH_THREADS=str(threads))
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_worker.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
-    started = time.perf_counter()
-    run(1)  # first step: allocations (and torch.compile's compilation)
-    return run, time.perf_counter() - started
+    def request(self, **message) -> dict:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the PyTorch worker exited (status {self.process.wait()}); its error is above")
+        return json.loads(line)
+
+    def contender(self, label: str, config, compile: bool):
+        """(one-repetition callable, seconds of the first step), or an error message."""
+        reply = self.request(op="build", label=label, config=config.to_json(), compile=compile)
+        if "error" in reply:
+            return reply["error"]
+        return (lambda steps: self.request(op="run", label=label, steps=steps)["step_s"]), reply["first_s"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
 
 
 def bench_case(name: str, args, matmul_reps: dict) -> list[dict]:
@@ -76,17 +85,16 @@ def bench_case(name: str, args, matmul_reps: dict) -> list[dict]:
         contenders[label] = (lambda jax_step=jax_step, k=k: jax_step.run(k))
         dtype_of[label] = dtype
 
-    torch_modes = [] if args.no_torch else [False] + ([True] if args.torch_compile else [])
+    torch_modes = [] if args.no_torch or importlib.util.find_spec("torch") is None else (
+        [False] + ([True] if args.torch_compile else []))
+    worker = TorchWorker(args.threads) if torch_modes else None
     for dtype in dtypes:
         for compiled in torch_modes:
             label = f"{'torch.compile' if compiled else 'torch eager'} {dtype}"
-            try:
-                made = torch_contender(harness.make_case(name, dtype=dtype), compiled)
-            except Exception as error:  # torch.compile may need a toolchain this machine lacks
-                print(f"{name}: {label} failed: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
+            made = worker.contender(label, harness.make_case(name, dtype=dtype), compiled)
+            if isinstance(made, str):
+                print(f"{name}: {label} failed: {made}", file=sys.stderr)
                 continue
-            if made is None:
-                break
             run, compile_s[label] = made
             k = harness.steps_per_rep(run(1), args.rep_seconds)
             contenders[label] = (lambda run=run, k=k: run(k))
@@ -125,6 +133,8 @@ def bench_case(name: str, args, matmul_reps: dict) -> list[dict]:
                          gflops_best=max(samples[label]) / 1e9))
     for jax_step in jax_steps:
         jax_step.close()
+    if worker is not None:
+        worker.close()
     return rows
 
 
@@ -147,12 +157,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads == 1:  # must be set before jax is imported
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
-    if args.threads:
-        try:
-            import torch
-            torch.set_num_threads(args.threads)
-        except ImportError:
-            pass
     global jax, flops, harness
     import jax
     from andrea_jax import flops, host_memory

@@ -24,10 +24,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from andrea_jax import flops, optimizer, precision, sharding, train_step
 from andrea_jax.config import ANDREA_VOCAB_SIZE, base_config, validate
+from bench.synthetic import random_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,12 +128,6 @@ class JaxStep:
 
     def close(self):
         self._stack.close()
-
-
-def random_batches(config: ml_collections.ConfigDict, count: int, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    shape = (config.batch_size, config.seq_len + 1)
-    return [rng.integers(0, config.model.vocab_size, size=shape, dtype=np.int32) for _ in range(count)]
 
 
 def flops_per_step(config: ml_collections.ConfigDict) -> tuple[float, float]:
