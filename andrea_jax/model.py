@@ -123,6 +123,29 @@ class LayerNorm(nn.Module):
         return y.astype(self.dtype)
 
 
+@jax.custom_vjp
+def split_qkv(qkv_BxLx3xHxK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], whose backward stacks the three cotangents.
+
+    Autodiff of the three slices pads each cotangent to the full shape and adds
+    the pads; XLA:CPU fused that, with the transposes from attention's products,
+    into one loop that took about a tenth of the shakespeare_char step. A stack
+    writes each element once (bench/RESULTS.md). Reverse mode only.
+    """
+    return qkv_BxLx3xHxK[:, :, 0], qkv_BxLx3xHxK[:, :, 1], qkv_BxLx3xHxK[:, :, 2]
+
+
+def _split_qkv_fwd(qkv_BxLx3xHxK):
+    return split_qkv(qkv_BxLx3xHxK), None
+
+
+def _split_qkv_bwd(_, cotangents):
+    return (jnp.stack(cotangents, axis=2),)
+
+
+split_qkv.defvjp(_split_qkv_fwd, _split_qkv_bwd)
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention; qkv kernel laid out as GPT-2's c_attn."""
     n_head: int
@@ -150,7 +173,7 @@ class Attention(nn.Module):
         qkv_BxLx3xHxK = matmul(x_BxLxD, qkv_kernel, "bld,dthk->blthk", self.dtype) + qkv_bias
         qkv_BxLx3xHxK = nn.with_logical_constraint(
             qkv_BxLx3xHxK.astype(self.dtype), ("act_batch", "act_len", None, "act_heads", None))
-        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = split_qkv(qkv_BxLx3xHxK)
 
         if cache_index is None:
             # S = L: the keys are this sequence's own.

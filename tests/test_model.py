@@ -231,3 +231,17 @@ def test_dropout_only_when_training():
     np.testing.assert_array_equal(np.asarray(train_a), np.asarray(train_b))
     assert np.abs(np.asarray(train_a) - eval_out).max() > 1e-3
     assert np.abs(np.asarray(train_a) - np.asarray(train_c)).max() > 1e-3
+
+
+def test_split_qkv_backward_equals_the_slices_backward():
+    """The stacked backward of split_qkv is exactly autodiff of the three slices, axis by axis."""
+    qkv = jax.random.normal(jax.random.key(0), (2, 5, 3, 4, 6))
+    cotangents = tuple(jax.random.normal(jax.random.key(i + 1), (2, 5, 4, 6)) for i in range(3))
+    outputs, backward = jax.vjp(model.split_qkv, qkv)
+    slices, slices_backward = jax.vjp(lambda t: (t[:, :, 0], t[:, :, 1], t[:, :, 2]), qkv)
+    for ours, reference in zip(outputs, slices):
+        np.testing.assert_array_equal(ours, reference)
+    (grad,), (expected,) = backward(cotangents), slices_backward(cotangents)
+    assert grad.shape == qkv.shape
+    np.testing.assert_array_equal(grad, expected)
+    np.testing.assert_array_equal(grad[:, :, 1], cotangents[1])
