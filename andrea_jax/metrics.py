@@ -50,12 +50,19 @@ def truncate_after(workdir: str, step: int) -> None:
 class Writer:
     """Appends one JSON object per record and mirrors scalars to TensorBoard."""
 
-    def __init__(self, workdir: str, enabled: bool = True):
+    def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0):
+        """`start_step` > 0: a resumed run; TensorBoard drops the earlier run's events past it."""
         self.enabled = enabled
         if not enabled:
             return
         self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a")
-        self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        # purge_step writes a session-start marker: TensorBoard then hides the events at or after
+        # that step in the older event files, as truncate_after does for metrics.jsonl. The event
+        # file's name has whole seconds only, and an existing one is overwritten: the suffix keeps
+        # a run resumed within the same second from erasing the earlier run's events.
+        self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                          purge_step=start_step + 1 if start_step > 0 else None,
+                                          filename_suffix=f".{os.getpid()}.{start_step}")
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:

@@ -149,7 +149,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
                 # (also before its first checkpoint): they are logged again below.
                 metrics.truncate_after(workdir, start_step)
                 run_dir.save_config(workdir, config)
-            writer = metrics.Writer(workdir, enabled=leader)  # after the truncation, which replaces the file
+            # After the truncation, which replaces the file.
+            writer = metrics.Writer(workdir, enabled=leader, start_step=start_step)
 
             step_fn = jax.jit(train_step.make_train_step(config, tx, schedule),
                               in_shardings=(state_shardings, batch_sharding),
