@@ -1,5 +1,8 @@
 import json
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -134,3 +137,41 @@ def test_manifest_is_json_with_counts(tmp_path):
     assert manifest["num_tokens"] == split.num_tokens
     assert manifest["num_documents"] == len(DOCS)
     assert manifest["dtype"] == "uint16"
+
+
+_SLOW_BUILD = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from andrea_jax.data import token_cache
+from andrea_jax.data.sources import ListDocuments
+from andrea_jax.data.tokenizer import ByteTokenizer
+
+class SlowDocuments(ListDocuments):
+    def read(self, start, stop):
+        time.sleep(0.005 * (stop - start))  # 640 documents: the build takes about 3 s
+        return super().read(start, stop)
+
+docs = SlowDocuments(["slow %d" % i for i in range(640)])
+split = token_cache.load_or_build(docs, ByteTokenizer(), sys.argv[2], "train", {"source": "test"}, progress=False)
+print(split.num_tokens)
+"""
+
+
+def test_a_second_process_waits_for_the_first_build_and_reads_it(tmp_path):
+    """Without the lock, the second build deletes the first one's half-written file and the first fails."""
+    directory = str(tmp_path / "cache")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    first = subprocess.Popen([sys.executable, "-c", _SLOW_BUILD, root, directory],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(".tmp" in name for name in (os.listdir(directory) if os.path.isdir(directory) else [])):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.01)
+    split = token_cache.load_or_build(ListDocuments(["other text"]), ByteTokenizer(), directory, "train",
+                                      {"source": "test"}, progress=False)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-2000:]
+    expected = sum(len(f"slow {i}") + 1 for i in range(640))
+    assert int(out.split()[-1]) == expected
+    assert split.num_tokens == expected  # the first process's cache, not a rebuild from "other text"
+    assert split.tokens[:7].tolist() == list(b"slow 0") + [256]

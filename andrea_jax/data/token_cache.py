@@ -4,13 +4,18 @@ Layout: `<cache_dir>/tokens/<key>/<split>.bin` and `<split>.json`, where the key
 hashes the source identity, the tokenizer and the format, so a changed source
 or tokenizer gets a new cache. The token file is renamed into place before the
 manifest is written, so a killed build never leaves a cache that looks complete;
-a cache whose size disagrees with its manifest is rebuilt.
+a cache whose size disagrees with its manifest is rebuilt. Builds of one split
+take turns through a lock file (`<split>.lock`, flock): a second run on the same
+cache waits for the first one's build and reads it, instead of deleting its
+half-written file and building its own.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import fcntl
 import glob
 import hashlib
 import json
@@ -161,11 +166,32 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
     return cached
 
 
+@contextlib.contextmanager
+def _build_turn(directory: str, split: str):
+    """Holds the split's lock file until the block ends. The lock goes with the open file, so a
+    killed build never leaves it held."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{split}.lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process to finish the token cache {_paths(directory, split)[0]}",
+                  flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass  # a file system without flock (some network mounts): build unguarded, as before
+        yield
+
+
 def load_or_build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str,
                   identity: dict, progress: bool = True) -> TokenSplit:
-    cached, problem = load(directory, split, tokenizer.sha256)
-    if cached is not None:
+    cached, _ = load(directory, split, tokenizer.sha256)
+    if cached is not None:  # the common case, lock-free (the cache may sit on a read-only disk)
         return cached
-    if problem:
-        print(f"token cache {_paths(directory, split)[0]} is unusable ({problem}); rebuilding")
-    return build(documents, tokenizer, directory, split, identity, progress)
+    with _build_turn(directory, split):
+        cached, problem = load(directory, split, tokenizer.sha256)  # another process may have built it
+        if cached is not None:
+            return cached
+        if problem:
+            print(f"token cache {_paths(directory, split)[0]} is unusable ({problem}); rebuilding")
+        return build(documents, tokenizer, directory, split, identity, progress)
