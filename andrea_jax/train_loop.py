@@ -63,6 +63,13 @@ def _barrier(name: str):
     return lambda: multihost_utils.sync_global_devices(name)
 
 
+def _leader_outcome():
+    """A collective that hands every process process 0's success flag (None with one process)."""
+    if jax.process_count() == 1:
+        return None
+    return lambda ok: bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
 def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
             device: Any = None) -> tuple[Any, ml_collections.ConfigDict]:
     """Checks the workdir, prepares the data, fills in the tokenizer's vocabulary size and the
@@ -75,7 +82,7 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
         run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
     if saved is not None:
         run_dir.check_compatible(saved, config, workdir)  # before any data work
-    prepared = pipeline.prepare(config, workdir, is_leader=leader, barrier=_barrier("andrea_data"))
+    prepared = pipeline.prepare(config, workdir, is_leader=leader, share_outcome=_leader_outcome())
     config = ml_collections.ConfigDict(config.to_dict())
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size

@@ -141,3 +141,19 @@ def test_a_process_id_out_of_range_is_refused(tmp_path):
                             cwd=ROOT, env=env(2), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "error: --process_id=2 must be in [0, 2)" in result.stderr
+
+
+def test_a_data_error_on_the_leader_stops_every_process_with_one_line(tmp_path):
+    """Only process 0 reads the source; the other learns of its failure at once, not at the timeout."""
+    args = train_args(tmp_path, tmp_path / "run")
+    args = [a if not a.startswith("--config.data.source=") else f"--config.data.source=text:{tmp_path / 'nope.txt'}"
+            for a in args]
+    started = time.time()
+    codes = wait_all(launch(args, 2, 2, str(tmp_path / "bad")), timeout=120)
+    assert codes == [2, 2], log_tail(tmp_path / "bad0.log") + log_tail(tmp_path / "bad1.log")
+    assert "nope.txt" in log_tail(tmp_path / "bad0.log", 1)
+    follower = log_tail(tmp_path / "bad1.log", 3)
+    assert follower.strip().splitlines()[-1].endswith(
+        "process 0 failed to prepare the data; its output has the error: fix that and rerun")
+    assert "Traceback" not in follower
+    assert time.time() - started < 60
