@@ -54,7 +54,13 @@ class TorchWorker:
         reply = self.request(op="build", label=label, config=config.to_json(), compile=compile)
         if "error" in reply:
             return reply["error"]
-        return (lambda steps: self.request(op="run", label=label, steps=steps)["step_s"]), reply["first_s"]
+        return (lambda steps: self.run(label, steps)), reply["first_s"]
+
+    def run(self, label: str, steps: int) -> float:
+        reply = self.request(op="run", label=label, steps=steps)
+        if "error" in reply:
+            raise RuntimeError(f"{label}: {reply['error']}")
+        return reply["step_s"]
 
     def close(self) -> None:
         self.process.stdin.close()

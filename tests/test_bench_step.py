@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,3 +42,21 @@ def test_bench_step_reports_consistent_rates_for_every_contender(tmp_path):
             assert math.isclose(r["speed_vs_torch"], steps["torch eager float32"]["step_s"] / r["step_s"],
                                 rel_tol=1e-9)
     assert "| jax bfloat16 |" in result.stdout  # the Markdown table for RESULTS.md
+
+
+def test_torch_worker_answers_each_request_and_reports_errors_as_replies():
+    pytest.importorskip("torch")
+    sys.path.insert(0, ROOT)
+    from bench import harness, torch_worker
+    config = harness.make_case("shakespeare", dtype="float32")
+    config.batch_size = 2
+    requests = [dict(op="build", label="a", config=config.to_json(), compile=False),
+                dict(op="run", label="a", steps=2),
+                dict(op="run", label="missing", steps=1),
+                dict(op="fly")]
+    replies = []
+    torch_worker.serve([json.dumps(r) for r in requests], replies.append)
+    assert len(replies) == 4
+    assert replies[0]["first_s"] > 0 and replies[1]["step_s"] > 0
+    assert replies[2] == {"error": "KeyError: 'missing'"}
+    assert replies[3] == {"error": "unknown op 'fly'"}
