@@ -33,14 +33,13 @@ class TrainingStopped(RuntimeError):
 class _StopSignal:
     """Remembers SIGTERM/SIGINT so the loop can finish the step and save first."""
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    def __init__(self):
         self.received: str | None = None
         self.announced = False
-        self._signals = signals
         self._previous = {}
 
     def __enter__(self):
-        for sig in self._signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: signals stay with the caller
@@ -205,11 +204,7 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
 
     progress = tqdm(total=config.steps, initial=start_step, disable=not leader, dynamic_ncols=True,
                     desc="train")
-    # Several processes: JAX's distributed runtime takes SIGTERM (a preemption notice), tells
-    # every process and picks the next step they can all stop at, without a collective per step.
-    preemption_service = jax.process_count() > 1 and jax.config.jax_enable_preemption_service
-    own_signals = (signal.SIGINT,) if preemption_service else (signal.SIGTERM, signal.SIGINT)
-    with _StopSignal(own_signals) as stop, batcher.Prefetcher(make_batch, start_step, batch_sharding) as batches:
+    with _StopSignal() as stop, batcher.Prefetcher(make_batch, start_step, batch_sharding) as batches:
         for step in range(start_step, config.steps):
             _, batch = next(batches)
             state, step_metrics = step_fn(state, batch)
@@ -247,8 +242,7 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
                 stop.announced = True
                 progress.write(f"{stop.received} received: saving a checkpoint, then stopping "
                                f"(with several processes, at the next log step)", file=sys.stderr)
-            preempted = preemption_service and multihost_utils.reached_preemption_sync_point(done)
-            stopping = preempted or _agreed(stop.received is not None, done, config)
+            stopping = _agreed(stop.received is not None, done, config)
             if done % config.checkpoint_every == 0 or done == config.steps or stopping:
                 drain()  # never save a state that followed a non-finite step
                 ckpt.save(done, state, {**meta, "data_step": done,
@@ -258,8 +252,7 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
                 ckpt.wait()
                 progress.close()
                 if leader:
-                    cause = "a preemption notice (SIGTERM)" if preempted else stop.received
-                    print(f"stopped at step {done} on {cause or 'a signal to another process'}; "
+                    print(f"stopped at step {done} on {stop.received or 'a signal to another process'}; "
                           f"checkpoint saved in {ckpt.directory}; run the same command to resume", flush=True)
                 return {**last_record, "stopped_at": done}
     progress.close()
