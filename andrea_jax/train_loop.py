@@ -24,6 +24,7 @@ from andrea_jax import checkpoint, flops, metrics, optimizer, precision, shardin
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
+from andrea_jax.leader_first import leader_first
 
 
 class TrainingStopped(RuntimeError):
@@ -63,13 +64,6 @@ def _barrier(name: str):
     return lambda: multihost_utils.sync_global_devices(name)
 
 
-def _leader_outcome():
-    """A collective that hands every process process 0's success flag (None with one process)."""
-    if jax.process_count() == 1:
-        return None
-    return lambda ok: bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
-
-
 def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
             device: Any = None) -> tuple[Any, ml_collections.ConfigDict]:
     """Checks the workdir, prepares the data, fills in the tokenizer's vocabulary size and the
@@ -78,11 +72,16 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
     read_by_all = _barrier("andrea_config_read")
     if read_by_all is not None:
         read_by_all()  # every process has seen the directory as it was before the leader writes to it
-    if saved is None and leader:
-        run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
     if saved is not None:
         run_dir.check_compatible(saved, config, workdir)  # before any data work
-    prepared = pipeline.prepare(config, workdir, is_leader=leader, share_outcome=_leader_outcome())
+
+    def as_leader():
+        if saved is None:
+            run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
+        return pipeline.prepare(config, workdir, is_leader=True)
+
+    prepared = leader_first(leader, as_leader, lambda: pipeline.prepare(config, workdir, is_leader=False),
+                            "prepare the data")
     config = ml_collections.ConfigDict(config.to_dict())
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size

@@ -81,34 +81,12 @@ def test_stdlib_source_with_byte_tokens(tmp_path):
 
 def test_other_processes_read_what_the_leader_wrote(tmp_path):
     config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus')}")
-    shared = []  # what the collective carries: the leader's flag, handed to every process
-
-    def share_outcome(ok):
-        shared.append(ok)
-        return shared[0]
-
-    leader = pipeline.prepare(config, str(tmp_path / "run"), is_leader=True, share_outcome=share_outcome)
-    follower = pipeline.prepare(config, str(tmp_path / "run"), is_leader=False, share_outcome=share_outcome)
-    assert shared == [True, True]
+    with pytest.raises(DataError, match="the leading process must prepare the data first"):
+        pipeline.prepare(config, str(tmp_path / "run"), is_leader=False)
+    leader = pipeline.prepare(config, str(tmp_path / "run"), is_leader=True)
+    follower = pipeline.prepare(config, str(tmp_path / "run"), is_leader=False)
     assert follower.tokenizer.sha256 == leader.tokenizer.sha256
     np.testing.assert_array_equal(follower.val.tokens, leader.val.tokens)
-    with pytest.raises(DataError, match="the leading process must prepare the data first"):
-        pipeline.prepare(config, str(tmp_path / "other_run"), is_leader=False)
-
-
-def test_a_leader_failure_reaches_the_other_processes_as_one_line(tmp_path):
-    config = make_config(tmp_path, f"text:{tmp_path / 'missing.txt'}")
-    shared = []
-
-    def share_outcome(ok):
-        shared.append(ok)
-        return shared[0]
-
-    with pytest.raises(DataError, match="missing.txt"):
-        pipeline.prepare(config, str(tmp_path / "run"), is_leader=True, share_outcome=share_outcome)
-    assert shared == [False]  # the leader told the others before raising
-    with pytest.raises(DataError, match="^process 0 failed to prepare the data; its output has the error"):
-        pipeline.prepare(config, str(tmp_path / "run"), is_leader=False, share_outcome=share_outcome)
 
 
 def test_vocabulary_size_must_match_the_model(tmp_path):

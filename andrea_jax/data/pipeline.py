@@ -1,11 +1,9 @@
 """`prepare`: config -> tokenizer (in the workdir) + train and validation token caches.
 
 The leading process opens the source, trains or loads the tokenizer and builds
-the caches; the others wait at `share_outcome` and then read what it wrote (so
-the workdir and `data.cache_dir` must be on a filesystem all processes share).
-`share_outcome(ok)` is a collective that gives every process the leader's `ok`:
-when the leader's preparation fails, the others stop with one line at once
-instead of waiting for it until the distributed runtime's timeout.
+the caches; the others then read what it wrote (so the workdir and
+`data.cache_dir` must be on a filesystem all processes share). The order, and
+how a failure on any process reaches the others, is `andrea_jax/leader_first.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Callable
 
 import ml_collections
 
@@ -166,21 +163,10 @@ def _load_prepared(workdir: str) -> Prepared:
     return Prepared(tokenizer, *loaded)
 
 
-def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = True,
-            share_outcome: Callable[[bool], bool] | None = None) -> Prepared:
+def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = True) -> Prepared:
     """Tokenizer and token caches for this config; only the leader writes anything."""
     if is_leader:
-        try:
-            prepared = _prepare_as_leader(config, os.fspath(workdir))
-        except Exception:
-            if share_outcome is not None:
-                share_outcome(False)
-            raise
-        if share_outcome is not None:
-            share_outcome(True)
-        return prepared
-    if share_outcome is not None and not share_outcome(True):
-        raise DataError("process 0 failed to prepare the data; its output has the error: fix that and rerun")
+        return _prepare_as_leader(config, os.fspath(workdir))
     prepared = _load_prepared(os.fspath(workdir))
     _check_vocab(prepared.tokenizer, config, os.path.join(workdir, TOKENIZER_FILE))
     return prepared
