@@ -13,9 +13,10 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
-from andrea_jax import atomic
+from andrea_jax import atomic, event_files
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def _plain(value: Any) -> Any:
@@ -34,11 +35,12 @@ def read(workdir: str) -> list[dict]:
 
 
 def truncate_after(workdir: str, step: int) -> None:
-    """Drop records past `step` (logged by a run that stopped before saving them).
+    """Drop records and TensorBoard events past `step` (logged by a run that stopped before saving them).
 
     A resumed run logs those steps again; keeping both would double them.
     Rewritten atomically: a kill leaves the old file or the new one.
     """
+    event_files.drop_after(os.path.join(workdir, TENSORBOARD_DIR), step)
     path = os.path.join(workdir, METRICS_FILE)
     records = read(workdir)
     kept = [r for r in records if r.get("step", 0) <= step]
@@ -51,17 +53,14 @@ class Writer:
     """Appends one JSON object per record and mirrors scalars to TensorBoard."""
 
     def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0):
-        """`start_step` > 0: a resumed run; TensorBoard drops the earlier run's events past it."""
         self.enabled = enabled
         if not enabled:
             return
         self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a")
-        # purge_step writes a session-start marker: TensorBoard then hides the events at or after
-        # that step in the older event files, as truncate_after does for metrics.jsonl. The event
-        # file's name has whole seconds only, and an existing one is overwritten: the suffix keeps
-        # a run resumed within the same second from erasing the earlier run's events.
-        self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                                          purge_step=start_step + 1 if start_step > 0 else None,
+        # An event file's name has whole seconds only, and an existing file of that name is
+        # overwritten: the suffix keeps a run resumed within the same second from erasing the
+        # earlier run's events.
+        self._tensorboard = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR),
                                           filename_suffix=f".{os.getpid()}.{start_step}")
 
     def write(self, step: int, values: dict[str, Any]) -> None:

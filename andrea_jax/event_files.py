@@ -1,0 +1,61 @@
+"""TensorBoard event files: their records, and dropping the events past a step (for a resume).
+
+An event file is a TFRecord stream: per record an 8-byte length, a 4-byte CRC of
+it, the serialized Event, and a 4-byte CRC of that. Kept records are copied
+byte for byte, so their checksums stay valid; a record cut short by a kill ends
+the stream (its length's checksum is checked, as TensorBoard's reader does).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Iterator
+
+from google.protobuf.message import DecodeError
+from tensorboardX.proto import event_pb2
+from tensorboardX.record_writer import masked_crc32c
+
+from andrea_jax import atomic
+
+_LENGTH = struct.Struct("<Q")
+_HEADER = _LENGTH.size + 4  # the length and its CRC
+_FOOTER = 4  # the CRC of the data
+
+
+def records(content: bytes) -> Iterator[tuple[bytes, event_pb2.Event]]:
+    """(the record's bytes as stored, its Event) for every whole record."""
+    offset = 0
+    while offset + _HEADER <= len(content):
+        (length,) = _LENGTH.unpack_from(content, offset)
+        (length_crc,) = struct.unpack_from("<I", content, offset + _LENGTH.size)
+        end = offset + _HEADER + length + _FOOTER
+        if length_crc != masked_crc32c(content[offset:offset + _LENGTH.size]) or end > len(content):
+            return  # not a record's start: the tail of a write cut short
+        event = event_pb2.Event()
+        try:
+            event.ParseFromString(content[offset + _HEADER:end - _FOOTER])
+        except DecodeError:
+            return
+        yield content[offset:end], event
+        offset = end
+
+
+def drop_after(directory: str, step: int) -> int:
+    """Rewrites (atomically) each event file in `directory` that holds events past `step`; returns
+    how many events went."""
+    if not os.path.isdir(directory):
+        return 0
+    dropped = 0
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if "tfevents" not in name or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            content = f.read()
+        kept = [raw for raw, event in records(content) if event.step <= step]
+        size = sum(len(raw) for raw in kept)
+        if size < len(content):  # events past the step, or a record cut short
+            dropped += sum(1 for _ in records(content)) - len(kept)
+            atomic.write(path, b"".join(kept))
+    return dropped
