@@ -7,7 +7,10 @@ manifest is written, so a killed build never leaves a cache that looks complete;
 a cache whose size disagrees with its manifest is rebuilt. Builds of one split
 take turns through a lock file (`<split>.lock`, flock): a second run on the same
 cache waits for the first one's build and reads it, instead of deleting its
-half-written file and building its own.
+half-written file and building its own. flock holds across the processes of one
+machine and on file systems that implement it (local disks, NFS with locking);
+GCS FUSE grants it per machine, so runs on different machines sharing a bucket
+still must not build the same cache at once.
 """
 
 from __future__ import annotations
@@ -169,17 +172,19 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
 @contextlib.contextmanager
 def _build_turn(directory: str, split: str):
     """Holds the split's lock file until the block ends. The lock goes with the open file, so a
-    killed build never leaves it held."""
+    killed build never leaves it held. Where there is no lock to take (a lock file another user
+    owns, a file system without flock) the build goes ahead unguarded, as it did before locks."""
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"{split}.lock"), "a") as handle:
+    with contextlib.ExitStack() as stack:
         try:
+            handle = stack.enter_context(open(os.path.join(directory, f"{split}.lock"), "a"))
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"waiting for another process to finish the token cache {_paths(directory, split)[0]}",
                   flush=True)
             fcntl.flock(handle, fcntl.LOCK_EX)
         except OSError:
-            pass  # a file system without flock (some network mounts): build unguarded, as before
+            pass
         yield
 
 
