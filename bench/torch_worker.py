@@ -1,10 +1,11 @@
 """The PyTorch contenders of bench/bench_step.py, run in a process of their own.
 
-PyTorch in the benchmark's own process changes what the JAX step measures: its
-allocations and threads between the JAX repetitions return glibc's arenas to a
-state that makes the small shakespeare step 30–45% slower (bench/RESULTS.md,
-2026-11-29). Here each contender lives in this child process and the parent
-drives it over a pipe, one request at a time, so the rounds still interleave.
+PyTorch in the benchmark's own process changed what the JAX step measured: the
+small shakespeare step took 41.8 ms with PyTorch's repetitions in between, 28.5 ms
+without (bench/RESULTS.md, 2026-11-29 12:28); its allocations and threads share
+the heap and the cores' caches. Here each contender lives in this child process
+and the parent drives it over a pipe, one request at a time, so the rounds still
+interleave.
 
 Protocol: one JSON object a line on stdin, one JSON reply a line on stdout.
     {"op": "build", "label": L, "config": <ConfigDict JSON>, "compile": bool, "seed": n}
@@ -71,8 +72,11 @@ def main() -> None:
     if threads:
         torch.set_num_threads(threads)
     host_memory.keep_freed_memory()  # the same allocator setting the JAX side runs with
-    out = sys.stdout
-    sys.stdout = sys.stderr  # stray prints (torch.compile's) must not break the protocol
+    # The protocol gets its own copy of stdout; file descriptor 1 then points at stderr, so that
+    # nothing else (prints, oneDNN's verbose mode, torch.compile's workers) can break it.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
 
     def reply(message: dict) -> None:
         out.write(json.dumps(message) + "\n")
