@@ -59,6 +59,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         # The runtime aborts the whole process when the coordinator never answers;
         # waiting for its port first turns that into a clear error.
         _wait_for_coordinator(coordinator_address, timeout_s)
+    # The training loop takes SIGTERM itself (train_loop._StopSignal). JAX's preemption service
+    # would install its own handler first, which swallows a SIGTERM that comes before the loop
+    # (data preparation, restore, compilation): the process ran on until the scheduler's SIGKILL.
+    # Without it such a SIGTERM ends the process at once, as it does a single-process run.
+    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                    initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s,

@@ -178,3 +178,16 @@ def test_sigterm_to_one_process_stops_all_at_the_next_log_step_and_resumes(tmp_p
     assert wait_all(launch(args, 2, 2, str(tmp_path / "after"))) == [0, 0], log_tail(tmp_path / "after0.log")
     assert f"resumed from step {stopped} " in open(tmp_path / "after0.log").read()
     assert [s for s, _ in records(workdir, "loss")] == [20, 40, 60]
+
+
+def test_a_sigterm_before_the_loop_ends_the_process_instead_of_being_swallowed(tmp_path):
+    workdir = tmp_path / "run"
+    procs = launch(train_args(tmp_path, workdir), 2, 2, str(tmp_path / "early"))
+    deadline = time.time() + 120
+    while not (workdir / "config.json").exists() and time.time() < deadline and procs[0].poll() is None:
+        time.sleep(0.01)  # config.json: both processes have joined; neither is training yet
+    assert (workdir / "config.json").exists(), log_tail(tmp_path / "early0.log")
+    procs[1].send_signal(signal.SIGTERM)
+    assert procs[1].wait(timeout=30) == -signal.SIGTERM
+    assert procs[0].wait(timeout=TIMEOUT_S * 6) != 0  # its peer is gone: it stops at the heartbeat timeout
+    assert not (workdir / "checkpoints" / "40").exists()
