@@ -16,11 +16,10 @@ from google.protobuf.message import DecodeError
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
-from andrea_jax import atomic
-
 _LENGTH = struct.Struct("<Q")
 _HEADER = _LENGTH.size + 4  # the length and its CRC
 _FOOTER = 4  # the CRC of the data
+_REWRITE_PREFIX = ".rewrite."
 
 
 def records(content: bytes) -> Iterator[tuple[bytes, event_pb2.Event]]:
@@ -46,6 +45,9 @@ def drop_after(directory: str, step: int) -> int:
     how many events went."""
     if not os.path.isdir(directory):
         return 0
+    for name in os.listdir(directory):
+        if name.startswith(_REWRITE_PREFIX):  # from a rewrite that was killed
+            os.remove(os.path.join(directory, name))
     dropped = 0
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
@@ -57,5 +59,10 @@ def drop_after(directory: str, step: int) -> int:
         size = sum(len(raw) for raw in kept)
         if size < len(content):  # events past the step, or a record cut short
             dropped += sum(1 for _ in records(content)) - len(kept)
-            atomic.write(path, b"".join(kept))
+            # Not atomic.write: its temporary name would contain "tfevents", and TensorBoard
+            # reads every such file, a half-written one too.
+            temporary = os.path.join(directory, f"{_REWRITE_PREFIX}{os.getpid()}")
+            with open(temporary, "wb") as f:
+                f.write(b"".join(kept))
+            os.replace(temporary, path)
     return dropped

@@ -1,6 +1,9 @@
 """metrics.Writer and truncate_after: metrics.jsonl records and TensorBoard events, across a resume."""
 
 import os
+import struct
+
+from tensorboardX.record_writer import masked_crc32c
 
 from andrea_jax import event_files, metrics
 
@@ -57,9 +60,19 @@ def test_a_record_cut_short_by_a_kill_is_dropped_and_the_whole_ones_kept(tmp_pat
     (name,) = os.listdir(directory)
     with open(os.path.join(directory, name), "rb") as f:
         whole = f.read()
-    with open(os.path.join(directory, name), "ab") as f:
-        f.write(whole[-30:-5])  # the start of a record, its end never written
-    assert event_files.drop_after(directory, 10) == 0  # no whole event was past step 10
-    with open(os.path.join(directory, name), "rb") as f:
-        assert f.read() == whole
+    length = struct.pack("<Q", 50)
+    cut_short = [
+        length + struct.pack("<I", masked_crc32c(length)) + bytes(20),  # a valid header, 20 of 50 bytes
+        length + struct.pack("<I", masked_crc32c(length)),  # the header alone
+        whole[-30:-5],  # bytes that are no record's start (the length's checksum fails)
+    ]
+    for tail in cut_short:
+        with open(os.path.join(directory, name), "ab") as f:
+            f.write(tail)
+        assert event_files.drop_after(directory, 10) == 0  # no whole event was past step 10
+        with open(os.path.join(directory, name), "rb") as f:
+            assert f.read() == whole
+    open(os.path.join(directory, ".rewrite.12345"), "wb").close()  # left by a killed rewrite
+    event_files.drop_after(directory, 10)
+    assert os.listdir(directory) == [name]
     assert scalars(workdir) == [(1, "loss", 1.0)]
