@@ -175,14 +175,23 @@ def _build_turn(directory: str, split: str):
     killed build never leaves it held. Where there is no lock to take (a lock file another user
     owns, a file system without flock) the build goes ahead unguarded, as it did before locks."""
     os.makedirs(directory, exist_ok=True)
-    with contextlib.ExitStack() as stack:
+    lock_path = os.path.join(directory, f"{split}.lock")
+    try:
+        handle = open(lock_path, "a")
+    except OSError:
+        yield
+        return
+    with handle:
         try:
-            handle = stack.enter_context(open(os.path.join(directory, f"{split}.lock"), "a"))
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"waiting for another process to finish the token cache {_paths(directory, split)[0]}",
                   flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            except OSError as error:  # someone holds it: building now could break their cache
+                raise DataError(f"could not wait for the lock {lock_path} ({error}); rerun once the "
+                                f"other run has built the cache") from error
         except OSError:
             pass
         yield
