@@ -21,6 +21,14 @@ import os
 import sys
 import time
 
+if __name__ == "__main__":
+    # Before torch loads: the protocol gets its own copy of stdout, and file descriptor 1 then
+    # points at stderr, so nothing else (prints, oneDNN's verbose mode, torch.compile's workers)
+    # can write into it.
+    PROTOCOL_OUT = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
 import ml_collections
 import numpy as np
 import torch
@@ -72,15 +80,10 @@ def main() -> None:
     if threads:
         torch.set_num_threads(threads)
     host_memory.keep_freed_memory()  # the same allocator setting the JAX side runs with
-    # The protocol gets its own copy of stdout; file descriptor 1 then points at stderr, so that
-    # nothing else (prints, oneDNN's verbose mode, torch.compile's workers) can break it.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
 
     def reply(message: dict) -> None:
-        out.write(json.dumps(message) + "\n")
-        out.flush()
+        PROTOCOL_OUT.write(json.dumps(message) + "\n")
+        PROTOCOL_OUT.flush()
 
     serve(sys.stdin, reply)
 
