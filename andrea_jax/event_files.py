@@ -16,6 +16,8 @@ from google.protobuf.message import DecodeError
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
+from andrea_jax import atomic
+
 _LENGTH = struct.Struct("<Q")
 _HEADER = _LENGTH.size + 4  # the length and its CRC
 _FOOTER = 4  # the CRC of the data
@@ -55,14 +57,11 @@ def drop_after(directory: str, step: int) -> int:
             continue
         with open(path, "rb") as f:
             content = f.read()
-        kept = [raw for raw, event in records(content) if event.step <= step]
-        size = sum(len(raw) for raw in kept)
-        if size < len(content):  # events past the step, or a record cut short
-            dropped += sum(1 for _ in records(content)) - len(kept)
-            # Not atomic.write: its temporary name would contain "tfevents", and TensorBoard
-            # reads every such file, a half-written one too.
-            temporary = os.path.join(directory, f"{_REWRITE_PREFIX}{os.getpid()}")
-            with open(temporary, "wb") as f:
-                f.write(b"".join(kept))
-            os.replace(temporary, path)
+        whole = list(records(content))
+        kept = [raw for raw, event in whole if event.step <= step]
+        if sum(len(raw) for raw in kept) < len(content):  # events past the step, or a record cut short
+            dropped += len(whole) - len(kept)
+            # The default temporary name would contain "tfevents": TensorBoard reads every such
+            # file, a half-written one too.
+            atomic.write(path, b"".join(kept), temporary_name=f"{_REWRITE_PREFIX}{os.getpid()}")
     return dropped
