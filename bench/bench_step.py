@@ -166,7 +166,7 @@ def main() -> None:
     global jax, flops, harness
     import jax
     from andrea_jax import flops, host_memory
-    # As train.py runs (andrea_jax/cli.py); PyTorch in this process gets the same allocator.
+    # As train.py runs (andrea_jax/cli.py); bench/torch_worker.py sets the same for PyTorch.
     host_memory.keep_freed_memory()
     from bench import harness
     print(harness.header("python bench/bench_step.py " + " ".join(sys.argv[1:])), flush=True)
