@@ -23,7 +23,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.steps = 10_000
     c.batch_size = 32  # global, in sequences
     c.seq_len = 1024
-    c.microbatches = 1  # gradient accumulation inside the jitted step
+    # Gradient accumulation inside the jitted step; 0 = the fewest micro-batches whose
+    # compiled step fits the device's memory (`fit.py`), recorded in the run's config.
+    c.microbatches = 0
     c.log_every = 10
     c.eval_every = 500
     c.eval_batches = 20  # validation batches per periodic evaluation
@@ -158,11 +160,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"seq_len={c.seq_len} exceeds model.max_len={c.model.max_len}; "
             f"lower seq_len or raise model.max_len")
-    for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every",
+    for key in ("steps", "batch_size", "seq_len", "log_every",
                 "eval_every", "checkpoint_every", "keep_checkpoints"):
         if int(c[key]) < 1:
             raise ConfigError(f"{key}={c[key]} must be at least 1")
-    if c.batch_size % c.microbatches:
+    if c.microbatches < 0:
+        raise ConfigError(f"microbatches={c.microbatches} must be >= 0 (0 = the fewest that fit the device)")
+    if c.microbatches and c.batch_size % c.microbatches:
         raise ConfigError(
             f"batch_size={c.batch_size} is not divisible by microbatches={c.microbatches}; "
             f"make batch_size a multiple of microbatches")

@@ -42,7 +42,7 @@ def device_has_bf16(device, cpuinfo: str | None = None) -> bool:
     """Whether `device` multiplies bfloat16 natively."""
     if device.platform == "cpu":
         return cpu_has_bf16(cpuinfo)
-    capability = getattr(device, "compute_capability", None)  # CUDA devices only
+    capability = getattr(device, "compute_capability", None)  # CUDA devices only, compile-only ones too
     if capability is not None:
         return float(capability) >= MIN_CUDA_CAPABILITY_FOR_BF16
     return True  # TPUs, and GPUs that report no capability (ROCm's MI200+ have bf16)

@@ -49,7 +49,7 @@ def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[Any] | None =
         raise ConfigError(
             f"batch_size={config.batch_size} is not divisible by the data-parallel size "
             f"{data_parallel} (mesh.data × mesh.fsdp); use a multiple of {data_parallel}")
-    if (config.batch_size // config.microbatches) % data_parallel:
+    if config.microbatches and (config.batch_size // config.microbatches) % data_parallel:
         raise ConfigError(
             f"each micro-batch of {config.batch_size // config.microbatches} sequences must split over "
             f"{data_parallel} data-parallel devices; lower microbatches or raise batch_size")

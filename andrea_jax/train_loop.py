@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import checkpoint, flops, metrics, optimizer, precision, sharding, summary, train_step
+from andrea_jax import checkpoint, fit, flops, metrics, optimizer, precision, sharding, summary, train_step
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
@@ -85,8 +85,11 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
     config = ml_collections.ConfigDict(config.to_dict())
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size
-    if config.model.dtype == "auto" and saved is not None and saved.model.get("dtype", "auto") != "auto":
-        config.model.dtype = saved.model.dtype  # a resumed run keeps computing as it did
+    if saved is not None:  # a resumed run keeps computing as it did: its losses stay exact
+        if config.model.dtype == "auto":
+            config.model.dtype = saved.model.dtype
+        if config.microbatches == 0 and saved.microbatches:
+            config.microbatches, config.model.remat = saved.microbatches, saved.model.remat
     config.model.dtype = precision.resolve_dtype_name(config.model.dtype, device)  # the record says what ran
     if saved is not None:
         run_dir.check_compatible(saved, config, workdir)
@@ -112,8 +115,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
     mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation
     prepared, config = resolve(config, workdir, leader, device=mesh.devices.flat[0])
     axis_rules = sharding.rules(config)
-    tx = optimizer.make(config)
-    schedule = optimizer.learning_rate_schedule(config)
     tokens_per_step = config.batch_size * config.seq_len
     flops_per_token = flops.flops_per_token(config.model, config.seq_len)
     peak, peak_source = flops.peak_flops(config)
@@ -126,16 +127,17 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
               f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})", flush=True)
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
-        init = partial(train_step.init_state, config=config, tx=tx)
-        boxed = jax.eval_shape(init, jax.random.key(config.seed))
-        state_shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
+        abstract, state_shardings = fit.abstract_state(config, mesh, axis_rules, jax.random.key(config.seed))
+        # Compiled before any state exists, so that the choice of micro-batches sees the whole memory.
+        steps = fit.fit(config, mesh, abstract, state_shardings, fit.device_memory_limit(mesh.devices.flat[0]),
+                        report=print if leader else lambda line: None)
+        config = steps.config
+        init = partial(train_step.init_state, config=config, tx=optimizer.make(config))
         batch_sharding = sharding.batch_sharding(mesh)
-        replicated = sharding.replicated(mesh)
 
         ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
         writer = None
         try:
-            abstract = checkpoint.abstract_like(sharding.unbox(boxed), state_shardings)
             restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256, model_config=config.model)
             carried_losses: list[float] = []
             if restored is None:
@@ -158,16 +160,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
             # After the truncation, which replaces the file.
             writer = metrics.Writer(workdir, enabled=leader, start_step=start_step)
 
-            step_fn = jax.jit(train_step.make_train_step(config, tx, schedule),
-                              in_shardings=(state_shardings, batch_sharding),
-                              out_shardings=(state_shardings, replicated), donate_argnums=0)
-            eval_fn = jax.jit(train_step.make_eval_step(config),
-                              in_shardings=(state_shardings["params"], batch_sharding), out_shardings=replicated)
             def make_batch(step: int) -> np.ndarray:
                 return batcher.train_batch(prepared.train.tokens, seed=config.seed, step=step,
                                            batch_size=config.batch_size, seq_len=config.seq_len,
                                            process_index=jax.process_index(), process_count=jax.process_count())
-            return _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prepared,
+            return _loop(config, workdir, state, start_step, steps.train, steps.eval, make_batch, prepared,
                          batch_sharding, ckpt, writer, tokens_per_step, flops_per_token * tokens_per_step,
                          peak * mesh.devices.size, num_val, leader, carried_losses)
         finally:

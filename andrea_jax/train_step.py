@@ -53,13 +53,21 @@ def cross_entropy_and_stream_stats(params: Any, model_config: ml_collections.Con
     return loss, diagnostics.stream_stats(variables[model.DIAGNOSTICS], model_config)
 
 
+def split_microbatches(batch_BxLp1: jax.Array, num_micro: int) -> jax.Array:
+    """[B, L+1] -> [M, B/M, L+1]. Micro-batch m takes rows m, m+M, m+2M...: every device keeps its
+    own rows in every micro-batch, so the split moves no data."""
+    batch_size, width = batch_BxLp1.shape
+    micro_MxBxLp1 = batch_BxLp1.reshape(batch_size // num_micro, num_micro, width).swapaxes(0, 1)
+    return jax.lax.with_sharding_constraint(micro_MxBxLp1, P(None, BATCH_AXES, None))
+
+
 def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransformation,
                     schedule: optax.Schedule) -> Callable[[State, jax.Array], tuple[State, dict]]:
     """train_step(state, batch [B, L+1]) -> (state, metrics); gradients accumulated over micro-batches.
 
     With config.diagnostics the metrics also hold the "diag/..." keys of `diagnostics.py`.
     """
-    num_micro = int(config.microbatches)
+    num_micro = max(1, int(config.microbatches))  # 0 (automatic) is resolved by `fit.fit`; alone it means 1
     use_dropout = config.model.dropout > 0.0
     diagnose = bool(config.get("diagnostics", False))
 
@@ -80,11 +88,7 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
         if num_micro == 1:
             loss, grads, stats = grads_of(params, batch_BxLp1, step_rng)
         else:
-            batch_size, width = batch_BxLp1.shape
-            # Micro-batch m takes rows m, m+M, m+2M...: every device keeps its own
-            # rows in every micro-batch, so the split moves no data.
-            micro_MxBxLp1 = batch_BxLp1.reshape(batch_size // num_micro, num_micro, width).swapaxes(0, 1)
-            micro_MxBxLp1 = jax.lax.with_sharding_constraint(micro_MxBxLp1, P(None, BATCH_AXES, None))
+            micro_MxBxLp1 = split_microbatches(batch_BxLp1, num_micro)
 
             def accumulate(carry, inputs):
                 index, micro_BxLp1 = inputs
@@ -119,7 +123,13 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
 
 
 def make_eval_step(config: ml_collections.ConfigDict) -> Callable[[Any, jax.Array], jax.Array]:
-    """eval_step(params, batch [B, L+1]) -> mean loss."""
+    """eval_step(params, batch [B, L+1]) -> mean loss, one micro-batch at a time as in training."""
+    num_micro = max(1, int(config.microbatches))
+
     def eval_step(params: Any, batch_BxLp1: jax.Array) -> jax.Array:
-        return cross_entropy(params, config.model, batch_BxLp1, None)
+        if num_micro == 1:
+            return cross_entropy(params, config.model, batch_BxLp1, None)
+        losses_M = jax.lax.map(lambda micro_BxLp1: cross_entropy(params, config.model, micro_BxLp1, None),
+                               split_microbatches(batch_BxLp1, num_micro))
+        return losses_M.mean()  # equal-sized micro-batches: the mean of their means is the batch's mean
     return eval_step

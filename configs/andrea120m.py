@@ -6,12 +6,12 @@ from andrea_jax.config import base_config
 
 def get_config():
     c = base_config()  # the model section already is the exact ANDREA-120M
-    c.model.dtype = "bfloat16"
+    c.model.dtype = "auto"  # bfloat16 on TPUs and NVIDIA GPUs from the A100 on
     c.model.attention = "dot_product"  # cuDNN flash attention on GPU
     c.steps = 20_000
     c.batch_size = 32  # × 1024 tokens = 32k tokens a step
     c.seq_len = 1024
-    c.microbatches = 1  # raise on small GPUs: the step accumulates gradients
+    c.microbatches = 0  # the fewest micro-batches that fit the device's memory, chosen by compiling
     c.log_every = 20
     c.eval_every = 500
     c.eval_batches = 40

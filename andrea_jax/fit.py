@@ -1,0 +1,170 @@
+"""The train and eval steps compiled for the mesh, with as many micro-batches as the memory needs.
+
+Whether a step fits is read off XLA's own memory analysis of the compiled
+program, never found by running into an out-of-memory error: the compiled step
+is the one the loop then runs. `microbatches=0` asks for the fewest
+micro-batches that fit the device's memory with headroom; when even one
+sequence per device and micro-batch does not fit, blocks are rematerialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import ml_collections
+import optax
+from jax.sharding import Mesh
+
+from andrea_jax import checkpoint, optimizer, sharding, train_step
+from andrea_jax.config import ConfigError
+from andrea_jax.sharding import batch_sharding, replicated
+
+# Plan for at most this share of the device's memory: XLA's analysis leaves out
+# the allocator's fragmentation and the runtime's own buffers.
+HEADROOM = 0.9
+GIB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes one device holds for a compiled program, from `compiled.memory_analysis()`."""
+    arguments: int
+    temporaries: int
+    outputs: int
+    aliased: int  # outputs written into donated arguments
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.temporaries + self.outputs - self.aliased
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> "Memory":
+        analysis = compiled.memory_analysis()
+        return cls(analysis.argument_size_in_bytes, analysis.temp_size_in_bytes,
+                   analysis.output_size_in_bytes, analysis.alias_size_in_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """The compiled steps and the config they were compiled for (microbatches and remat filled in)."""
+    config: ml_collections.ConfigDict
+    train: jax.stages.Compiled  # (state, batch [B, L+1]) -> (state, metrics); state donated
+    eval: jax.stages.Compiled  # (params, batch [B, L+1]) -> mean loss
+    train_memory: Memory
+    eval_memory: Memory  # the optimizer state beside it included: it stays on the device
+
+    @property
+    def peak(self) -> int:
+        return max(self.train_memory.peak, self.eval_memory.peak)
+
+
+class OutOfMemory(Exception):
+    """XLA refused to compile the step for lack of device memory (TPUs check at compile time)."""
+
+
+def device_memory_limit(device: Any) -> int | None:
+    """Bytes a program may use on `device`: the runtime's own limit, None on a CPU (no limit is planned for)."""
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def microbatch_choices(config: ml_collections.ConfigDict, mesh: Mesh) -> list[int]:
+    """Micro-batch counts that divide the batch into parts that still split over the data-parallel devices."""
+    data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+    return [m for m in range(1, config.batch_size + 1)
+            if config.batch_size % m == 0 and (config.batch_size // m) % data_parallel == 0]
+
+
+def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state: Any,
+                  state_shardings: Any) -> Steps:
+    """Lowers and compiles both steps as the loop calls them; OutOfMemory when XLA refuses.
+
+    Runs under the caller's `jax.set_mesh(mesh)` and logical axis rules.
+    """
+    tx, schedule = optimizer.make(config), optimizer.learning_rate_schedule(config)
+    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jax.numpy.int32,
+                                 sharding=batch_sharding(mesh))
+    try:
+        train = jax.jit(train_step.make_train_step(config, tx, schedule),
+                        in_shardings=(state_shardings, batch_sharding(mesh)),
+                        out_shardings=(state_shardings, replicated(mesh)),
+                        donate_argnums=0).lower(abstract_state, batch).compile()
+        evaluate = jax.jit(train_step.make_eval_step(config),
+                           in_shardings=(state_shardings["params"], batch_sharding(mesh)),
+                           out_shardings=replicated(mesh)).lower(abstract_state["params"], batch).compile()
+    except Exception as error:  # the runtime's error type differs between jax versions
+        if "RESOURCE_EXHAUSTED" in str(error):
+            raise OutOfMemory(str(error).splitlines()[0]) from error
+        raise
+    train_memory, eval_alone = Memory.of(train), Memory.of(evaluate)
+    resident = train_memory.arguments - eval_alone.arguments  # optimizer state and step, beside the params
+    eval_memory = dataclasses.replace(eval_alone, arguments=eval_alone.arguments + resident)
+    return Steps(config, train, evaluate, train_memory, eval_memory)
+
+
+def _with(config: ml_collections.ConfigDict, microbatches: int, remat: bool) -> ml_collections.ConfigDict:
+    chosen = ml_collections.ConfigDict(config.to_dict())
+    chosen.microbatches = microbatches
+    chosen.model.remat = remat
+    return chosen
+
+
+def fit(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state: Any, state_shardings: Any,
+        limit: int | None, report: Callable[[str], None] = print) -> Steps:
+    """The compiled steps: with `config.microbatches`, or for 0 the fewest micro-batches that fit `limit`.
+
+    `limit` is one device's memory in bytes (None: no limit, as on a CPU, where 0 means one
+    micro-batch). A step that does not fit raises ConfigError naming the fix.
+    """
+    usable = None if limit is None else int(HEADROOM * limit)
+
+    def attempt(candidate: ml_collections.ConfigDict) -> tuple[Steps | None, str]:
+        setting = f"microbatches={candidate.microbatches}" + (", remat" if candidate.model.remat else "")
+        try:
+            steps = compile_steps(candidate, mesh, abstract_state, state_shardings)
+        except OutOfMemory as error:
+            return None, f"{setting}: XLA refused it ({error})"
+        need = f"{setting}: {steps.peak / GIB:.2f} GiB a device"
+        if usable is not None and steps.peak > usable:
+            return None, need + f" > {usable / GIB:.2f} GiB usable"
+        return steps, need
+
+    if config.microbatches:
+        steps, outcome = attempt(config)
+        if steps is None:
+            raise ConfigError(f"the step does not fit the device memory ({outcome}, {HEADROOM:.0%} of "
+                              f"{limit / GIB:.2f} GiB); set --config.microbatches=0 to choose a fitting "
+                              f"number of micro-batches automatically")
+        return steps
+    if usable is None:
+        return compile_steps(_with(config, 1, config.model.remat), mesh, abstract_state, state_shardings)
+
+    tried = []
+    for remat in sorted({config.model.remat, True}):
+        for microbatches in microbatch_choices(config, mesh):
+            steps, outcome = attempt(_with(config, microbatches, remat))
+            tried.append(outcome)
+            if steps is not None:
+                report(f"fit: {'; '.join(tried)} (fits {limit / GIB:.2f} GiB with {1 - HEADROOM:.0%} headroom): "
+                       f"using microbatches={microbatches}{', remat' if remat else ''}")
+                return steps
+    raise ConfigError(
+        f"the step does not fit {usable / GIB:.2f} GiB a device even with one sequence per device and "
+        f"micro-batch and remat ({tried[-1]}); lower seq_len or the model size, or shard the parameters "
+        f"over more devices (mesh.fsdp)")
+
+
+def abstract_state(config: ml_collections.ConfigDict, mesh: Mesh, axis_rules: tuple,
+                   rng: jax.Array) -> tuple[Any, Any]:
+    """(ShapeDtypeStructs of the train state with their shardings, the shardings); nothing allocated.
+
+    Runs under the caller's `jax.set_mesh(mesh)` and logical axis rules.
+    """
+    boxed = jax.eval_shape(partial(train_step.init_state, config=config, tx=optimizer.make(config)), rng)
+    shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
+    return checkpoint.abstract_like(sharding.unbox(boxed), shardings), shardings

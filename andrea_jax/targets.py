@@ -1,0 +1,119 @@
+"""Compile-only devices for named accelerators: XLA's TPU and GPU compilers run on any host.
+
+A TPU slice is named as Cloud TPU names it (`v5e-1`, `v6e-8`, `v4-32`, `v5p-16`:
+chips for v5e/v6e, TensorCores for v4/v5p); multi-host slices have four chips a
+host, as the real ones do, so the mesh spans hosts as a pod run builds it. A GPU
+is named by a target description kept in `gpu_targets/` (`t4`, `a100_40gb`...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import re
+from andrea_jax.config import ConfigError
+
+GIB = 2 ** 30
+GPU_TARGETS_DIR = os.path.join(os.path.dirname(__file__), "gpu_targets")
+# JAX's GPU allocator takes this share of the memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
+JAX_DEFAULT_GPU_MEMORY_FRACTION = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGeneration:
+    topology_prefix: str  # libtpu's name for the generation
+    chip_config: str  # "megacore": one device per chip of two TensorCores
+    cores_per_chip: int  # how many of the slice name's count make a chip
+    dimensions: int  # the chips' torus: 2-D or 3-D
+    hbm_bytes: int  # HBM per chip that the TPU compiler lets a program use
+
+
+TPU_GENERATIONS = {
+    "v5e": TpuGeneration("v5e", "default", 1, 2, int(15.75 * GIB)),
+    "v6e": TpuGeneration("v6e", "default", 1, 2, int(31.25 * GIB)),
+    "v4": TpuGeneration("v4", "megacore", 2, 3, int(32 * GIB)),
+    "v5p": TpuGeneration("v5", "megacore", 2, 3, int(95 * GIB)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    devices: list  # compile-only devices of every host
+    memory_limit: int  # bytes a program may use on one device
+    memory_source: str
+    num_hosts: int
+
+
+def _torus(chips: int, dimensions: int) -> list[int]:
+    """Chip grid of a slice: 2-D 1x1, 2x2, 2x4, 4x4...; 3-D 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4..."""
+    shape = [1, 1] if dimensions == 2 else [2, 2, 1]
+    while math.prod(shape) < chips:
+        smallest = min(shape)
+        shape[max(i for i, size in enumerate(shape) if size == smallest)] *= 2
+    return shape
+
+
+def tpu(name: str) -> Target:
+    """Compile-only devices of a Cloud TPU slice such as `v5e-1` or `v4-32`."""
+    from jax.experimental import topologies
+
+    match = re.fullmatch(r"(v5e|v6e|v4|v5p)-(\d+)", name)
+    if not match:
+        raise ConfigError(f"--topology {name} is not a known accelerator; use a TPU slice such as v5e-1, v6e-8, "
+                          f"v4-32 or v5p-16, or a GPU among {', '.join(gpu_names())}")
+    generation = TPU_GENERATIONS[match.group(1)]
+    count = int(match.group(2))
+    chips, rest = divmod(count, generation.cores_per_chip)
+    if rest or chips < 1 or chips & (chips - 1) or (generation.dimensions == 3 and chips < 4):
+        raise ConfigError(f"--topology {name}: slices of {match.group(1)} come in powers of two "
+                          f"{'from 8 cores' if generation.dimensions == 3 else 'chips'}, e.g. "
+                          f"{match.group(1)}-{8 if generation.dimensions == 3 else 4}")
+    shape = _torus(chips, generation.dimensions)
+    single_host = chips <= (8 if generation.dimensions == 2 else 4)
+    host_bounds = tuple(shape) + (1,) * (3 - len(shape)) if single_host else (2, 2, 1)
+    topology = topologies.get_topology_desc(
+        platform="tpu", topology_name=f"{generation.topology_prefix}:{'x'.join(map(str, shape))}",
+        chip_config_name=generation.chip_config, chips_per_host_bounds=host_bounds)
+    devices = list(topology.devices)
+    return Target(name, devices, generation.hbm_bytes, f"{match.group(1)} HBM a chip",
+                  len({d.process_index for d in devices}))
+
+
+def gpu_names() -> list[str]:
+    return sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(GPU_TARGETS_DIR, "*.txtpb")))
+
+
+def gpu_memory_fraction() -> float:
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_GPU_MEMORY_FRACTION))
+
+
+def gpu(name: str) -> Target:
+    """A compile-only NVIDIA GPU from its description in gpu_targets/, with JAX's memory pool as the limit."""
+    from jax.experimental import topologies
+
+    path = os.path.join(GPU_TARGETS_DIR, f"{name}.txtpb")
+    with open(path) as f:
+        text = f.read()
+    memory = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=text, topology="1x1x1")
+    except Exception as error:  # no CUDA plugin: the runtime says "Unknown backend" or fails to load it
+        raise ConfigError(f"--topology {name} needs JAX's CUDA compiler plugin ({str(error).splitlines()[0]}); "
+                          f"install it with `pip install -r requirements-gpu-compile.txt`") from error
+    fraction = gpu_memory_fraction()
+    return Target(name, list(topology.devices), int(memory * fraction),
+                  f"{fraction:.0%} of {memory / GIB:.1f} GiB, JAX's GPU memory pool", 1)
+
+
+def named(name: str) -> Target:
+    return gpu(name) if name in gpu_names() else tpu(name)
+
+
+def describe(target: Target) -> str:
+    kind = target.devices[0].device_kind
+    return (f"{target.name}: {len(target.devices)} × {kind} over {target.num_hosts} host(s), "
+            f"{target.memory_limit / GIB:.2f} GiB a device ({target.memory_source})")
+

@@ -1,0 +1,122 @@
+"""Fitting the step to a device's memory: the choice of micro-batches, remat, and the refusals."""
+
+import json
+import os
+import re
+import shutil
+
+import flax.linen as nn
+import jax
+import pytest
+
+from andrea_jax import fit, sharding, train_loop
+from andrea_jax.config import ConfigError, base_config
+from tests.test_train_loop import loop_config, losses
+
+VOCAB = 128
+
+
+def small_config(**overrides):
+    c = base_config()
+    m = c.model
+    m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.vocab_size, m.max_len = 2, 64, 4, 256, VOCAB, 64
+    c.seq_len, c.batch_size = 64, 16
+    c.mesh.data = 2
+    c.update_from_flattened_dict(overrides)
+    return c
+
+
+def fit_on_cpu(config, limit, devices=None, report=lambda line: None):
+    mesh = sharding.make_mesh(config, devices or jax.devices()[:2])
+    rules = sharding.rules(config)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        abstract, shardings = fit.abstract_state(config, mesh, rules, jax.random.key(0))
+        return fit.fit(config, mesh, abstract, shardings, limit, report)
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    """The compiled peak of each micro-batch count of small_config on 2 devices."""
+    return {m: fit_on_cpu(small_config(microbatches=m), None).peak for m in (1, 2, 4, 8)}
+
+
+def test_choices_keep_each_microbatch_split_over_the_data_devices():
+    config = small_config()
+    mesh = sharding.make_mesh(config, jax.devices()[:2])
+    assert fit.microbatch_choices(config, mesh) == [1, 2, 4, 8]  # 16 rows: 16 would leave one row for 2 devices
+    config.mesh.data = 4
+    assert fit.microbatch_choices(config, sharding.make_mesh(config, jax.devices()[:4])) == [1, 2, 4]
+
+
+def test_memory_falls_with_more_microbatches(peaks):
+    assert peaks[1] > peaks[2] > peaks[4] > peaks[8]
+
+
+def test_automatic_choice_is_the_fewest_that_fit(peaks):
+    lines = []
+    limit = int(peaks[2] / fit.HEADROOM) + 1  # room for 2 micro-batches, not for 1
+    steps = fit_on_cpu(small_config(microbatches=0), limit, report=lines.append)
+    assert steps.config.microbatches == 2 and steps.config.model.remat is False
+    assert steps.peak <= fit.HEADROOM * limit
+    assert len(lines) == 1 and "microbatches=1:" in lines[0] and "using microbatches=2" in lines[0]
+
+
+def test_no_limit_means_one_microbatch():
+    assert fit_on_cpu(small_config(microbatches=0), None).config.microbatches == 1
+
+
+def test_the_automatic_step_equals_the_same_count_set_by_hand(peaks):
+    """The fit only picks a number: its compiled step is the step `microbatches=N` compiles."""
+    automatic = fit_on_cpu(small_config(microbatches=0), int(peaks[4] / fit.HEADROOM) + 1)
+    by_hand = fit_on_cpu(small_config(microbatches=4), None)
+    assert automatic.config.microbatches == 4
+    # The programs, without the source locations (the two were traced from different lines).
+    without_source_lines = lambda compiled: re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text().split("FileNames")[0])
+    assert without_source_lines(automatic.train) == without_source_lines(by_hand.train)
+
+
+def test_a_set_count_that_does_not_fit_is_refused_with_the_fix(peaks):
+    with pytest.raises(ConfigError, match=r"does not fit .*--config.microbatches=0"):
+        fit_on_cpu(small_config(microbatches=1), int(peaks[2] / fit.HEADROOM))
+
+
+def test_nothing_fits_names_what_to_lower(peaks):
+    with pytest.raises(ConfigError, match=r"even with one sequence per device .* remat.*lower seq_len"):
+        fit_on_cpu(small_config(microbatches=0), int(peaks[8] / 2))
+
+
+def test_remat_comes_after_the_last_microbatch_count(monkeypatch):
+    """When one sequence per device does not fit, remat is turned on and the search starts again."""
+    tried = []
+
+    def fake_compile(config, mesh, abstract, shardings):
+        tried.append((config.microbatches, config.model.remat))
+        remat_saving = 0.4 if config.model.remat else 1.0
+        peak = int(1000 * remat_saving / config.microbatches)
+        memory = fit.Memory(arguments=0, temporaries=peak, outputs=0, aliased=0)
+        return fit.Steps(config, None, None, memory, memory)
+
+    monkeypatch.setattr(fit, "compile_steps", fake_compile)
+    steps = fit_on_cpu(small_config(microbatches=0), int(110 / fit.HEADROOM) + 1)  # 1000/8 > 110, 400/4 fits
+    assert tried == [(1, False), (2, False), (4, False), (8, False), (1, True), (2, True), (4, True)]
+    assert (steps.config.microbatches, steps.config.model.remat) == (4, True)
+
+
+def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, monkeypatch):
+    """The chosen count lands in config.json; a resume where one micro-batch would fit keeps it, exactly."""
+    devices = jax.devices()[:1]
+    sized = loop_config(tmp_path, microbatches=2, **{"model.vocab_size": 257})  # the byte tokenizer's size
+    limit = int(fit_on_cpu(sized, None, devices).peak / fit.HEADROOM) + 1  # room for 2 micro-batches, not 1
+    unbroken, resumed = str(tmp_path / "unbroken"), str(tmp_path / "resumed")
+    train_loop.train(loop_config(tmp_path, microbatches=2), unbroken, devices=devices)
+
+    monkeypatch.setattr(fit, "device_memory_limit", lambda device: limit)
+    train_loop.train(loop_config(tmp_path), resumed, devices=devices)
+    saved = lambda: json.load(open(os.path.join(resumed, "config.json")))["config"]["microbatches"]
+    assert saved() == 2
+    shutil.rmtree(os.path.join(resumed, "checkpoints", "8"))  # as if the run had stopped after step 4
+    monkeypatch.setattr(fit, "device_memory_limit", lambda device: None)  # alone, 0 would mean 1 here
+    train_loop.train(loop_config(tmp_path), resumed, devices=devices)
+    assert saved() == 2
+    assert losses(resumed) == losses(unbroken)
+    assert losses(resumed, "val_loss") == losses(unbroken, "val_loss")
