@@ -11,6 +11,7 @@ does not fit exits with status 2 and one line naming the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import flax.linen as nn
@@ -30,8 +31,7 @@ _TOPOLOGY = flags.DEFINE_string("topology", None, "A TPU slice (v5e-1, v6e-1, v5
                                                   "described in andrea_jax/gpu_targets/ (t4, l4, a100_40gb, ...)")
 
 
-def check(config: ml_collections.ConfigDict, target: targets.Target,
-          report=print) -> tuple[ml_collections.ConfigDict, fit.Steps]:
+def compiled_for(config: ml_collections.ConfigDict, target: targets.Target, report=print) -> fit.Steps:
     """The steps `config` compiles to on `target` (microbatches=0 chosen as a run would choose it)."""
     validate(config)
     if config.model.vocab_size == 0:
@@ -44,12 +44,12 @@ def check(config: ml_collections.ConfigDict, target: targets.Target,
     rng = jax.random.key(config.seed)  # made on this host: the target's devices cannot run it
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
         abstract, shardings = fit.abstract_state(config, mesh, axis_rules, rng)
-        steps = fit.fit(config, mesh, abstract, shardings, target.memory_limit, report)
-    return steps.config, steps
+        return fit.fit(config, mesh, abstract, shardings, target.memory_limit, report)
 
 
-def describe(config: ml_collections.ConfigDict, steps: fit.Steps, target: targets.Target) -> str:
+def describe(steps: fit.Steps, target: targets.Target) -> str:
     """What one device holds, the step's FLOPs and XLA's roofline bound, as lines of text."""
+    config = steps.config
     train, evaluate = steps.train_memory, steps.eval_memory
     gib = lambda n: f"{n / GIB:.2f} GiB"
     lines = [
@@ -63,38 +63,64 @@ def describe(config: ml_collections.ConfigDict, steps: fit.Steps, target: target
         f"peak {gib(steps.peak)} of {gib(target.memory_limit)} "
         f"({100 * steps.peak / target.memory_limit:.0f}%; the fit plans for {fit.HEADROOM:.0%})",
     ]
-    tokens = config.batch_size * config.seq_len
-    model_flops = flops.flops_per_token(config.model, config.seq_len) * tokens
-    cost = steps.train.cost_analysis()
-    if isinstance(cost, list):  # older jax: one dict per program
-        cost = cost[0] if cost else None
-    if not cost or "flops" not in cost:
-        lines.append(f"FLOPs: {model_flops / 1e12:.2f} TFLOP a step by the model's formula; XLA gives no cost "
-                     f"analysis for this platform")
-        return "\n".join(lines)
-    devices = len(target.devices)
-    xla_flops = cost["flops"] * devices
-    lines.append(f"FLOPs a step: XLA counts {xla_flops / 1e12:.2f} T ({xla_flops / tokens / 1e6:.0f} M a token), the "
-                 f"model's formula {model_flops / 1e12:.2f} T ({model_flops / tokens / 1e6:.1f} M a token, "
-                 f"nanoGPT/PaLM convention)")
-    seconds = cost.get("optimal_seconds", -1)
-    peak = flops.device_peak_flops(target.devices[0])
-    if seconds > 0 and peak:
-        lines.append(f"XLA's roofline time {seconds * 1e3:.0f} ms a step: an upper bound on MFU of "
-                     f"{100 * model_flops / (seconds * devices * peak):.0f}% (a bound from the compiler's cost "
-                     f"model, not a measurement)")
+    lines.append(cost_text(step_cost(steps, target), config.batch_size * config.seq_len))
     return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    model_flops: float  # a step, nanoGPT/PaLM convention
+    xla_flops: float | None  # a step, all devices; None where XLA gives no cost analysis (GPUs)
+    roofline_seconds: float | None  # XLA's lower bound on the step's time
+    mfu_bound: float | None  # model_flops / (roofline_seconds × devices × the chip's bf16 peak)
+
+
+def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
+    """FLOPs a step by XLA's count and by the model's formula, and XLA's roofline bound on MFU.
+
+    XLA's cost analysis counts a loop's body once and gives no roofline time for it, so
+    with micro-batches the costs are those of a step of one micro-batch (compiled for this
+    report only), times the number of micro-batches: the optimizer update is counted that
+    many times, so the bound errs low.
+    """
+    config, micro, devices = steps.config, steps.config.microbatches, len(target.devices)
+    model_flops = flops.flops_per_token(config.model, config.seq_len) * config.batch_size * config.seq_len
+    cost = steps.train.cost_analysis()
+    if not cost or "flops" not in cost:
+        return StepCost(model_flops, None, None, None)
+    if micro > 1:
+        one = ml_collections.ConfigDict(config.to_dict())
+        one.batch_size, one.microbatches = config.batch_size // micro, 1
+        cost = compiled_for(one, target).train.cost_analysis()
+    seconds = cost.get("optimal_seconds", -1) * micro
+    peak = flops.device_peak_flops(target.devices[0])
+    roofline = seconds if seconds > 0 else None
+    bound = model_flops / (seconds * devices * peak) if roofline and peak else None
+    return StepCost(model_flops, cost["flops"] * devices * micro, roofline, bound)
+
+
+def cost_text(cost: StepCost, tokens: int) -> str:
+    if cost.xla_flops is None:
+        return (f"FLOPs: {cost.model_flops / 1e12:.2f} T a step by the model's formula; XLA gives no cost "
+                f"analysis for this platform")
+    text = (f"FLOPs a step: XLA counts {cost.xla_flops / 1e12:.2f} T ({cost.xla_flops / tokens / 1e6:.0f} M a "
+            f"token), the model's formula {cost.model_flops / 1e12:.2f} T "
+            f"({cost.model_flops / tokens / 1e6:.1f} M a token, nanoGPT/PaLM convention)")
+    if cost.mfu_bound is not None:
+        text += (f"\nXLA's roofline time {cost.roofline_seconds * 1e3:.0f} ms a step: MFU can be at most "
+                 f"{100 * cost.mfu_bound:.0f}% (a bound from the compiler's cost model, not a measurement)")
+    return text
 
 
 def main(argv):
     del argv
     try:
         target = targets.named(_TOPOLOGY.value)
-        config, steps = check(_CONFIG.value, target)
+        steps = compiled_for(_CONFIG.value, target)
+        print(describe(steps, target), flush=True)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-    print(describe(config, steps, target), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""ANDREA-120M compiled for real accelerators on this host: XLA's TPU and GPU compilers need no chip.
+
+The TPU cases need libtpu (`pip install "jax[tpu]==<the installed jax>"`), the GPU ones
+JAX's CUDA plugin (requirements-gpu-compile.txt); without them they skip.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from andrea_jax import compile_check, fit, targets
+from andrea_jax.config import ConfigError
+from configs import andrea120m
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason='libtpu is not installed: pip install "jax[tpu]==<the installed jax>"')
+needs_cuda_plugin = pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                                       reason="JAX's CUDA plugin is not installed: "
+                                              "pip install -r requirements-gpu-compile.txt")
+
+
+def fitted(topology, **overrides):
+    lines = []
+    config = andrea120m.get_config()
+    config.update_from_flattened_dict(overrides)
+    target = targets.named(topology)
+    steps = compile_check.compiled_for(config, target, report=lines.append)
+    return steps, target, lines
+
+
+def assert_fits_with_the_fewest(steps, target, lines):
+    """The chosen step fits with headroom, and every smaller count was tried and did not."""
+    micro = steps.config.microbatches
+    assert steps.peak <= fit.HEADROOM * target.memory_limit
+    assert len(lines) == 1 and lines[0].endswith(f"using microbatches={micro}")
+    smaller = [m for m in (1, 2, 4, 8, 16, 32) if m < micro]
+    assert all(f"microbatches={m}: " in lines[0] for m in smaller)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v5e-1", "v6e-1"])
+def test_andrea120m_as_typed_fits_one_colab_tpu_by_itself(topology):
+    steps, target, lines = fitted(topology)
+    assert steps.config.model.dtype == "bfloat16"
+    assert steps.config.microbatches > 1  # one micro-batch of 32 × 1024 fits neither
+    assert_fits_with_the_fewest(steps, target, lines)
+
+
+@needs_libtpu
+def test_one_microbatch_forced_on_v5e_1_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"does not fit .*XLA refused it.*--config.microbatches=0"):
+        fitted("v5e-1", microbatches=1)
+
+
+@needs_libtpu
+def test_a_multi_host_slice_compiles_with_its_mesh_across_hosts():
+    steps, target, lines = fitted("v5e-16")
+    assert target.num_hosts == 4 and len(target.devices) == 16
+    assert steps.train.input_shardings[0][0]["params"]["token_embed"].mesh.size == 16
+    assert_fits_with_the_fewest(steps, target, lines) if lines else steps.config.microbatches == 1
+
+
+def test_slice_names_map_to_the_chips_and_hosts_of_cloud_tpu():
+    assert targets._torus(1, 2) == [1, 1] and targets._torus(8, 2) == [2, 4] and targets._torus(16, 2) == [4, 4]
+    assert targets._torus(4, 3) == [2, 2, 1] and targets._torus(16, 3) == [2, 2, 4]
+    assert targets._torus(64, 3) == [4, 4, 4]
+    with pytest.raises(ConfigError, match="powers of two"):
+        targets.tpu("v5e-6")
+    with pytest.raises(ConfigError, match="not a known accelerator; use a TPU slice such as v5e-1"):
+        targets.named("v9-1")
+
+
+def test_the_command_refuses_an_unknown_topology_with_one_line():
+    result = subprocess.run([sys.executable, "-m", "andrea_jax.compile_check", "--config", "configs/andrea120m.py",
+                             "--topology", "v5e-3"], capture_output=True, text=True, cwd=ROOT,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "v5e-3" in errors[0] and "Traceback" not in result.stderr
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("gpu", ["t4", "l4", "a100_40gb", "a100_80gb", "h100"])
+def test_andrea120m_as_typed_fits_each_colab_gpu_by_itself(gpu):
+    steps, target, lines = fitted(gpu)
+    # T4 has no bfloat16 tensor cores: "auto" computes in float32 there.
+    assert steps.config.model.dtype == ("float32" if gpu == "t4" else "bfloat16")
+    assert target.memory_limit == int(0.75 * {"t4": 15_843_721_216, "l4": 23_670_554_624,
+                                              "a100_40gb": 42_331_013_120, "a100_80gb": 85_100_068_864,
+                                              "h100": 84_942_979_072}[gpu])
+    if lines:
+        assert_fits_with_the_fewest(steps, target, lines)
+    else:
+        assert steps.config.microbatches == 1 and steps.peak <= fit.HEADROOM * target.memory_limit
