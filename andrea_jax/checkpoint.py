@@ -1,4 +1,4 @@
-"""Orbax checkpoints of a run: params, optimizer state and metadata as separate items.
+"""Orbax checkpoints of a run: params, optimizer state (and loss scale) and metadata as separate items.
 
 Separate items let eval restore params alone. Restores take abstract targets
 carrying the *current* shardings, so a checkpoint written on one mesh restores
@@ -83,10 +83,8 @@ class Checkpointer:
         """Starts an async save of the state at `step`; training goes on while it writes."""
         started = time.perf_counter()
         meta = {"project": PROJECT, "format": FORMAT_VERSION, "step": int(step), **meta}
-        self._manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(state["params"]),
-            opt_state=ocp.args.StandardSave(state["opt_state"]),
-            meta=ocp.args.JsonSave(meta)), force=True)
+        arrays = {item: ocp.args.StandardSave(tree) for item, tree in state.items() if item != "step"}
+        self._manager.save(step, args=ocp.args.Composite(**arrays, meta=ocp.args.JsonSave(meta)), force=True)
         self.last_save_seconds = time.perf_counter() - started
 
     def read_meta(self, step: int) -> dict:
@@ -97,22 +95,18 @@ class Checkpointer:
     def _restore_step(self, step: int, abstract_state: dict, params_only: bool, expect: dict) -> tuple[dict, dict]:
         meta = self.read_meta(step)
         check_meta(meta, f"checkpoint step {step} in {self.directory}", **expect)
-        items = dict(params=ocp.args.StandardRestore(abstract_state["params"]))
-        if not params_only:
-            items["opt_state"] = ocp.args.StandardRestore(abstract_state["opt_state"])
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        state = {"params": restored["params"]}
-        if not params_only:
-            state["opt_state"] = restored["opt_state"]
-        return state, meta
+        names = ["params"] if params_only else [item for item in abstract_state if item != "step"]
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            **{item: ocp.args.StandardRestore(abstract_state[item]) for item in names}))
+        return {item: restored[item] for item in names}, meta
 
     def restore(self, abstract_state: dict, step: int | None = None, params_only: bool = False,
                 tokenizer_sha256: str | None = None,
                 model_config: ml_collections.ConfigDict | None = None) -> tuple[dict, dict] | None:
         """(state, meta) of `step`, or of the newest readable step; None when there is none.
 
-        abstract_state: {"params": ..., "opt_state": ...} of ShapeDtypeStructs with shardings
-        ("params" alone with params_only). A checkpoint from another project, tokenizer or
+        abstract_state: {"params": ..., "opt_state": ..., ["loss_scale": ...]} of ShapeDtypeStructs with
+        shardings, each an item of its own ("params" alone with params_only). A checkpoint from another project, tokenizer or
         model shape raises CheckpointError; an unreadable one is skipped for the one before.
         """
         expect = dict(tokenizer_sha256=tokenizer_sha256, model_config=model_config)

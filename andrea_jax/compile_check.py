@@ -93,7 +93,7 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
         one.batch_size, one.microbatches = config.batch_size // micro, 1
         cost = compiled_for(one, target).train.cost_analysis()
     seconds = cost.get("optimal_seconds", -1) * micro
-    peak = flops.device_peak_flops(target.devices[0])
+    peak = flops.device_peak_flops(target.devices[0], config.model.dtype)
     roofline = seconds if seconds > 0 else None
     bound = model_flops / (seconds * devices * peak) if roofline and peak else None
     return StepCost(model_flops, cost["flops"] * devices * micro, roofline, bound)

@@ -21,6 +21,10 @@ PEAK_BF16_FLOPS = [
     ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
     ("TPU v5", 459e12), ("TPU v4", 275e12), ("TPU v3", 61.5e12), ("TPU v2", 22.5e12),
 ]
+# Dense float32 (not TF32) peak of the GPUs where float32 is what "auto" may run, or a user asks for.
+PEAK_FLOAT32_FLOPS = [
+    ("H200", 67e12), ("H100", 67e12), ("A100", 19.5e12), ("L4", 30.3e12), ("V100", 15.7e12), ("T4", 8.1e12),
+]
 
 
 def _mlp_input_matrices(model_config: ml_collections.ConfigDict) -> int:
@@ -56,11 +60,16 @@ def exact_flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int)
     return 3 * (2 * matmul_weights + attention)
 
 
-def device_peak_flops(device: jax.Device) -> float | None:
-    """The table's peak for this device, or None (CPUs and unknown accelerators)."""
+def device_peak_flops(device: jax.Device, dtype: str = "bfloat16") -> float | None:
+    """The table's peak for this device computing in `dtype`, or None (CPUs, unknown accelerators).
+
+    The bfloat16 figure stands for float16 too (a T4's is its float16 rate); float32 has
+    its own, far lower, rates.
+    """
     if device.platform == "cpu":
         return None
-    for name, peak in PEAK_BF16_FLOPS:
+    table = PEAK_FLOAT32_FLOPS if dtype == "float32" else PEAK_BF16_FLOPS
+    for name, peak in table:
         if name.lower() in device.device_kind.lower():
             return peak
     return None
@@ -85,8 +94,8 @@ def peak_flops(config: ml_collections.ConfigDict) -> tuple[float, str]:
     if config.peak_flops > 0:
         return float(config.peak_flops), "config.peak_flops"
     device = jax.devices()[0]
-    peak = device_peak_flops(device)
-    if peak is not None:
-        return peak, f"{device.device_kind} bf16 peak"
     dtype = resolve_dtype_name(config.model.dtype)
+    peak = device_peak_flops(device, dtype)
+    if peak is not None:
+        return peak, f"{device.device_kind} {dtype} peak"
     return measure_matmul_flops(dtype), f"measured {dtype} matmul rate"

@@ -3,9 +3,9 @@
 Parameters, optimizer state, LayerNorm statistics, softmax and logits are always
 float32; `model.dtype` is the dtype the matmul operands are rounded to. "auto"
 picks bfloat16 where the hardware multiplies it natively (TPUs, NVIDIA GPUs from
-compute capability 8.0 (A100, H100, ...), CPUs with AVX-512 BF16 or AMX) and
-float32 elsewhere (T4, V100, most laptops), where bfloat16 would be emulated and
-slower.
+compute capability 8.0 (A100, L4, H100, ...), CPUs with AVX-512 BF16 or AMX),
+float16 with dynamic loss scaling on NVIDIA GPUs whose tensor cores have float16
+only (compute capability 7.x: V100, T4), and float32 elsewhere (most laptops).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 MIN_CUDA_CAPABILITY_FOR_BF16 = 8.0  # Ampere: the first NVIDIA tensor cores with bf16
+MIN_CUDA_CAPABILITY_FOR_FP16_TENSOR_CORES = 7.0  # Volta and Turing (V100, T4): float16 only
 
 
 @functools.cache
@@ -38,21 +39,23 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
     return any(flag in flags for flag in CPU_BF16_FLAGS)
 
 
-def device_has_bf16(device, cpuinfo: str | None = None) -> bool:
-    """Whether `device` multiplies bfloat16 natively."""
+def fastest_dtype(device, cpuinfo: str | None = None) -> str:
+    """The compute dtype `device` multiplies fastest: bfloat16, float16 (with loss scaling) or float32."""
     if device.platform == "cpu":
-        return cpu_has_bf16(cpuinfo)
+        return "bfloat16" if cpu_has_bf16(cpuinfo) else "float32"
     capability = getattr(device, "compute_capability", None)  # CUDA devices only, compile-only ones too
-    if capability is not None:
-        return float(capability) >= MIN_CUDA_CAPABILITY_FOR_BF16
-    return True  # TPUs, and GPUs that report no capability (ROCm's MI200+ have bf16)
+    if capability is None:
+        return "bfloat16"  # TPUs, and GPUs that report no capability (ROCm's MI200+ have bf16)
+    if float(capability) >= MIN_CUDA_CAPABILITY_FOR_BF16:
+        return "bfloat16"
+    return "float16" if float(capability) >= MIN_CUDA_CAPABILITY_FOR_FP16_TENSOR_CORES else "float32"
 
 
 def resolve_dtype_name(name: str, device=None, cpuinfo: str | None = None) -> str:
     """`model.dtype` with "auto" replaced by the fastest compute dtype of `device` (default: the first)."""
     if name != "auto":
         return name
-    return "bfloat16" if device_has_bf16(device or jax.devices()[0], cpuinfo) else "float32"
+    return fastest_dtype(device or jax.devices()[0], cpuinfo)
 
 
 def compute_dtype(name: str):
@@ -74,9 +77,8 @@ def einsum_f32_accumulate(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.A
     rounded to `dtype` first (as mixed-precision training does on every
     framework), so the backward matmuls take the fast path too; their float32
     results are returned in the operands' own dtypes, so a float32 weight gets its
-    gradient unrounded. For float32 the rounding is a no-op; float16 keeps float32
-    backward products (its range is too narrow for unscaled cotangents; there is
-    no loss scaling here), though a float16 activation's gradient is float16.
+    gradient unrounded. For float32 the rounding is a no-op; float16 cotangents are
+    only safe because the train step scales the loss (`loss_scale.py`).
 
     On a CPU the cotangent also passes an optimization barrier: XLA:CPU otherwise
     fuses the elementwise work that produces it (softmax and LayerNorm backward,
@@ -97,11 +99,10 @@ def _einsum_f32_accumulate_bwd(spec, dtype, residuals, cotangent):
     a, b = residuals
     operands, out = spec.split("->")
     spec_a, spec_b = operands.split(",")
-    backward_dtype = jnp.float32 if dtype == jnp.float16 else dtype
-    g = cotangent.astype(backward_dtype)
+    g = cotangent.astype(dtype)
     if jax.default_backend() == "cpu":  # measured there only; accelerators fuse differently
         g = jax.lax.optimization_barrier(g)
-    a_, b_ = a.astype(backward_dtype), b.astype(backward_dtype)
+    a_, b_ = a.astype(dtype), b.astype(dtype)
     grad_a = _einsum_f32(f"{out},{spec_b}->{spec_a}", g, b_).astype(a.dtype)
     grad_b = _einsum_f32(f"{spec_a},{out}->{spec_b}", a_, g).astype(b.dtype)
     return grad_a, grad_b

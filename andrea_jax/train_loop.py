@@ -220,6 +220,9 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
                     "mfu": flops_per_step * interval_steps / elapsed / total_peak,
                     # config.diagnostics: the per-block figures of the interval's last step
                     **{key: float(value) for key, value in values[-1][1].items() if key.startswith("diag/")},
+                    # float16: the loss scale, and how many steps it has skipped since the start
+                    **{key: float(values[-1][1][key]) for key in ("loss_scale", "skipped_steps")
+                       if key in values[-1][1]},
                 }
                 writer.write(done, last_record)
                 interval_losses.clear()

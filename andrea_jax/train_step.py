@@ -14,17 +14,27 @@ import ml_collections
 import optax
 from jax.sharding import PartitionSpec as P
 
-from andrea_jax import diagnostics, model
+from andrea_jax import diagnostics, loss_scale, model, precision
 from andrea_jax.sharding import BATCH_AXES
 
 State = dict[str, Any]
 
 
+def uses_loss_scaling(config: ml_collections.ConfigDict) -> bool:
+    return precision.resolve_dtype_name(config.model.dtype) == "float16"
+
+
 def init_state(rng: jax.Array, config: ml_collections.ConfigDict, tx: optax.GradientTransformation) -> State:
-    """Boxed state: params and their optimizer moments carry logical axis names."""
+    """Boxed state: params and their optimizer moments carry logical axis names.
+
+    float16 compute adds the dynamic loss scale ("loss_scale", see loss_scale.py).
+    """
     params = model.init_params(config.model, rng)
     # optax maps over the boxes, so mu and nu inherit the params' axis names.
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    if uses_loss_scaling(config):
+        state["loss_scale"] = loss_scale.init()
+    return state
 
 
 def _loss_and_collections(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
@@ -71,28 +81,32 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
     use_dropout = config.model.dropout > 0.0
     diagnose = bool(config.get("diagnostics", False))
 
-    def grads_of(params, micro_BxLp1, rng):
-        """(loss, grads, stream stats); the stats are {} unless diagnosing."""
+    def grads_of(params, micro_BxLp1, rng, scale):
+        """(loss, grads of scale × loss, stream stats); the stats are {} unless diagnosing."""
         rng = rng if use_dropout else None
-        if diagnose:
-            (loss, stats), grads = jax.value_and_grad(cross_entropy_and_stream_stats, has_aux=True)(
-                params, config.model, micro_BxLp1, rng)
-            return loss, grads, stats
-        loss, grads = jax.value_and_grad(cross_entropy)(params, config.model, micro_BxLp1, rng)
-        return loss, grads, {}
+
+        def scaled_loss(params):
+            loss, stats = (cross_entropy_and_stream_stats if diagnose else
+                           lambda *args: (cross_entropy(*args), {}))(params, config.model, micro_BxLp1, rng)
+            return scale * loss, (loss, stats)
+
+        (_, (loss, stats)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        return loss, grads, stats
 
     def train_step(state: State, batch_BxLp1: jax.Array) -> tuple[State, dict]:
         params = state["params"]
+        scaling = "loss_scale" in state
+        scale = state["loss_scale"]["scale"] if scaling else jnp.float32(1)
         # Dropout keys fold the step in: a resumed run draws the same masks.
         step_rng = jax.random.fold_in(jax.random.key(config.seed), state["step"])
         if num_micro == 1:
-            loss, grads, stats = grads_of(params, batch_BxLp1, step_rng)
+            loss, grads, stats = grads_of(params, batch_BxLp1, step_rng, scale)
         else:
             micro_MxBxLp1 = split_microbatches(batch_BxLp1, num_micro)
 
             def accumulate(carry, inputs):
                 index, micro_BxLp1 = inputs
-                loss, grads, stats = grads_of(params, micro_BxLp1, jax.random.fold_in(step_rng, index))
+                loss, grads, stats = grads_of(params, micro_BxLp1, jax.random.fold_in(step_rng, index), scale)
                 loss_sum, grad_sum = carry
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), stats
 
@@ -100,8 +114,9 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
             (loss_sum, grad_sum), stats_M = jax.lax.scan(accumulate, zeros,
                                                          (jnp.arange(num_micro), micro_MxBxLp1))
             loss = loss_sum / num_micro
-            grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
+            grads = grad_sum
             stats = jax.tree.map(lambda s: s.mean(0), stats_M)
+        grads = jax.tree.map(lambda g: g / (num_micro * scale), grads)  # float32: unscaled exactly
 
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -113,8 +128,13 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
         new_state = {"step": state["step"] + 1,
                      "params": keep(new_params, params),
                      "opt_state": keep(new_opt_state, state["opt_state"])}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
-                   "finite": finite}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite}
+        if scaling:
+            # Gradients that overflowed the scaled backward skip the step and halve the scale;
+            # the run stops only on a non-finite loss or once halving cannot help (scale below 1).
+            new_state["loss_scale"] = loss_scale.update(state["loss_scale"], finite)
+            metrics["finite"] = jnp.isfinite(loss) & (finite | (new_state["loss_scale"]["scale"] >= 1))
+            metrics.update(loss_scale=scale, skipped_steps=new_state["loss_scale"]["skipped_steps"])
         if diagnose:
             metrics.update(diagnostics.metrics(stats, diagnostics.block_grad_norms(grads, config.model)))
         return new_state, metrics

@@ -17,6 +17,10 @@ def test_device_peak_table():
     class Device:
         platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
     assert flops.device_peak_flops(Device()) == 989e12
+    assert flops.device_peak_flops(Device(), "float16") == 989e12
+    Device.device_kind = "Tesla T4"  # MFU against the rate of the dtype that runs
+    assert flops.device_peak_flops(Device(), "float16") == 65e12
+    assert flops.device_peak_flops(Device(), "float32") == 8.1e12
     Device.device_kind = "TPU v4"
     assert flops.device_peak_flops(Device()) == 275e12
     Device.platform, Device.device_kind = "cpu", "cpu"

@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import os
+import re
 import time
 
 import pytest
@@ -45,3 +46,6 @@ def test_notebook_runs_headless_in_smoke_mode(tmp_path, monkeypatch):
         assert [json.loads(line)["step"] for line in f][-1] == 10
     outputs = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", []))
     assert "--- sample" in outputs and "resumed from step 0" in outputs
+    # What the run chose, and why: on a CPU there is no memory limit to fit, so one micro-batch.
+    assert re.search(r"computes in (float32|bfloat16) with 1 micro-batch\(es\) of 8 sequences .* on data from text:",
+                     outputs)

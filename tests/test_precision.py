@@ -28,7 +28,9 @@ class FakeDevice:
     ("auto", FakeDevice("cpu"), "", "float32"),
     ("auto", FakeDevice("gpu", "9.0"), CPUINFO_WITHOUT, "bfloat16"),  # H100/H200
     ("auto", FakeDevice("gpu", "8.0"), CPUINFO_WITHOUT, "bfloat16"),  # A100
-    ("auto", FakeDevice("gpu", "7.5"), CPUINFO_WITH_BF16, "float32"),  # T4: no bf16 tensor cores
+    ("auto", FakeDevice("gpu", "7.5"), CPUINFO_WITH_BF16, "float16"),  # T4: float16 tensor cores only
+    ("auto", FakeDevice("gpu", "7.0"), CPUINFO_WITHOUT, "float16"),  # V100
+    ("auto", FakeDevice("gpu", "6.0"), CPUINFO_WITHOUT, "float32"),  # P100: no tensor cores
     ("auto", FakeDevice("tpu"), CPUINFO_WITHOUT, "bfloat16"),
     ("float32", FakeDevice("gpu", "9.0"), CPUINFO_WITH_BF16, "float32"),
     ("bfloat16", FakeDevice("cpu"), CPUINFO_WITHOUT, "bfloat16"),
@@ -151,15 +153,17 @@ def test_float32_backward_equals_autodiff(spec):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_float16_backward_keeps_small_weight_gradients():
-    # An unscaled float16 cotangent of 2e-8 rounds to zero; the float16 backward
-    # multiplies in float32 and a float32 weight gets its gradient unrounded.
+def test_float16_backward_runs_in_float16_and_needs_the_loss_scaled():
+    # A float16 cotangent of 2e-8 is below float16's smallest number: unscaled, the weight's
+    # gradient vanishes; scaled by 2**16 (as the train step does for float16) it survives.
     x = jnp.ones((4, 8), jnp.float16)
     w = jnp.ones((8, 3), jnp.float32)
-    loss = lambda x, w: 2e-8 * precision.matmul(x, w, "td,dn->tn", jnp.float16).sum()
-    grad_x, grad_w = jax.grad(loss, argnums=(0, 1))(x, w)
+    loss = lambda x, w, scale: scale * 2e-8 * precision.matmul(x, w, "td,dn->tn", jnp.float16).sum()
+    grad_x, grad_w = jax.grad(loss, argnums=(0, 1))(x, w, 1.0)
     assert grad_x.dtype == jnp.float16 and grad_w.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(grad_w), 4 * 2e-8, rtol=1e-6)  # four rows of 2e-8
+    assert float(jnp.abs(grad_w).max()) == 0.0
+    scaled_grad_w = jax.grad(loss, argnums=1)(x, w, 2.0 ** 16) / 2.0 ** 16
+    np.testing.assert_allclose(np.asarray(scaled_grad_w), 4 * 2e-8, rtol=1e-3)  # four rows of 2e-8
     # The bf16 path returns a float32 weight's gradient in float32 as well.
     grad_w16 = jax.grad(lambda w: precision.matmul(x, w, "td,dn->tn", jnp.bfloat16).sum())(w)
     assert grad_w16.dtype == jnp.float32

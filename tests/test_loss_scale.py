@@ -1,0 +1,123 @@
+"""float16 with dynamic loss scaling: small gradients survive, overflows skip, resumes stay exact."""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from andrea_jax import loss_scale, optimizer, sharding, train_loop, train_step
+from andrea_jax.config import base_config
+from tests.test_train_loop import loop_config, losses
+
+PERIODIC_BATCH = np.tile(np.arange(33) % 7, (16, 1)).astype(np.int32)  # learnt to a loss near zero
+
+
+def small_config(dtype, **overrides):
+    c = base_config()
+    m = c.model
+    m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.vocab_size, m.max_len = 2, 64, 4, 256, 256, 32
+    m.dtype = dtype
+    c.seq_len, c.batch_size, c.steps, c.microbatches = 32, 16, 100, 1
+    c.optimizer.learning_rate, c.optimizer.warmup_steps = 1e-2, 0
+    c.update_from_flattened_dict(overrides)
+    return c
+
+
+def one_step(config, params, batch, scale=None):
+    """(new state, metrics) of one step from `params` with fresh moments (and `scale`, for float16)."""
+    tx = optimizer.make(config)
+    state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+    if scale is not None:
+        state["loss_scale"] = {**loss_scale.init(), "scale": jnp.float32(scale)}
+    return jax.jit(train_step.make_train_step(config, tx, optimizer.learning_rate_schedule(config)))(state, batch)
+
+
+def test_the_scale_halves_on_overflow_and_doubles_after_a_run_of_good_steps(monkeypatch):
+    monkeypatch.setattr(loss_scale, "GROWTH_INTERVAL", 3)
+    state = loss_scale.init()
+    scales = []
+    for finite in [True, True, False, True, True, True, True]:
+        state = loss_scale.update(state, jnp.bool_(finite))
+        scales.append(float(state["scale"]))
+    s = loss_scale.INITIAL_SCALE
+    assert scales == [s, s, s / 2, s / 2, s / 2, s, s]
+    assert int(state["skipped_steps"]) == 1 and int(state["good_steps"]) == 1
+
+
+def test_float16_is_scaled_and_float32_bfloat16_are_not():
+    for dtype, scaled in [("float16", True), ("float32", False), ("bfloat16", False)]:
+        config = small_config(dtype)
+        boxed = jax.eval_shape(lambda r: train_step.init_state(r, config, optimizer.make(config)), jax.random.key(0))
+        assert ("loss_scale" in boxed) == scaled
+
+
+@pytest.fixture(scope="module")
+def trained_params():
+    """A model fitted to a periodic sequence in float32: its gradients are small, as late in training."""
+    config = small_config("float32")
+    tx = optimizer.make(config)
+    state = sharding.unbox(train_step.init_state(jax.random.key(0), config, tx))
+    step = jax.jit(train_step.make_train_step(config, tx, optimizer.learning_rate_schedule(config)))
+    for _ in range(60):
+        state, metrics = step(state, PERIODIC_BATCH)
+    assert float(metrics["loss"]) < 0.01
+    return state["params"]
+
+
+def test_small_gradients_underflow_in_float16_unless_the_loss_is_scaled(trained_params):
+    _, exact = one_step(small_config("float32"), trained_params, PERIODIC_BATCH)
+    _, scaled = one_step(small_config("float16"), trained_params, PERIODIC_BATCH, scale=loss_scale.INITIAL_SCALE)
+    _, unscaled = one_step(small_config("float16"), trained_params, PERIODIC_BATCH, scale=1.0)
+    relative_error = lambda m: abs(float(m["grad_norm"]) / float(exact["grad_norm"]) - 1)
+    assert relative_error(scaled) < 0.005  # measured 0.0004
+    assert relative_error(unscaled) > 0.05  # measured 0.15: the cotangents below 6e-8 are lost
+    assert int(scaled["skipped_steps"]) == 0
+
+
+def test_an_overflow_skips_the_step_and_halves_the_scale(trained_params):
+    config = small_config("float16")
+    new_state, metrics = one_step(config, trained_params, PERIODIC_BATCH, scale=2.0 ** 40)
+    assert not np.isfinite(float(metrics["grad_norm"])) and bool(metrics["finite"])  # skipped, not stopped
+    assert int(metrics["skipped_steps"]) == 1 and float(new_state["loss_scale"]["scale"]) == 2.0 ** 39
+    unchanged = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new_state["params"], trained_params)
+    assert all(jax.tree.leaves(unchanged))
+    assert int(new_state["step"]) == 1  # the batch is spent: the schedule and the data move on
+
+
+def test_float16_losses_track_float32_over_a_short_run():
+    runs = {}
+    for dtype in ("float32", "float16"):
+        config = small_config(dtype, **{"optimizer.learning_rate": 3e-3})
+        tx = optimizer.make(config)
+        state = sharding.unbox(train_step.init_state(jax.random.key(0), config, tx))
+        step = jax.jit(train_step.make_train_step(config, tx, optimizer.learning_rate_schedule(config)))
+        runs[dtype] = []
+        text = np.random.default_rng(0).integers(0, 256, 300).astype(np.int32)  # windows of it: learnable
+        for index in range(12):
+            starts = np.random.default_rng(index).integers(0, len(text) - 33, 16)
+            batch = np.stack([text[start:start + 33] for start in starts])
+            state, metrics = step(state, batch)
+            runs[dtype].append(float(metrics["loss"]))
+    assert runs["float32"][-1] < runs["float32"][0] - 0.2  # it learns
+    np.testing.assert_allclose(runs["float16"], runs["float32"], atol=0.02)
+
+
+def test_a_resume_across_scale_changes_is_exact(tmp_path, monkeypatch):
+    # A first scale that overflows (halved step by step) and growth every 2 good steps:
+    # the scale moves both ways within the 8 steps and across the resume at step 4.
+    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0 ** 30)
+    monkeypatch.setattr(loss_scale, "GROWTH_INTERVAL", 2)
+    devices = jax.devices()[:1]
+    unbroken, resumed = str(tmp_path / "unbroken"), str(tmp_path / "resumed")
+    config = loop_config(tmp_path, log_every=1, **{"model.dtype": "float16"})
+    train_loop.train(config, unbroken, devices=devices)
+    train_loop.train(config, resumed, devices=devices)
+    shutil.rmtree(os.path.join(resumed, "checkpoints", "8"))  # as if the run had stopped after step 4
+    train_loop.train(config, resumed, devices=devices)
+    scales = [scale for _, scale in losses(unbroken, "loss_scale")]
+    assert len(set(scales)) > 2 and losses(unbroken, "skipped_steps")[-1][1] > 0
+    for key in ("loss", "loss_scale", "skipped_steps", "val_loss"):
+        assert losses(resumed, key) == losses(unbroken, key)
