@@ -15,6 +15,12 @@ from tests.test_model import forward, init, np_forward, np_gelu_tanh, np_layer_n
 
 ANDREA_PARAMS = 92_331_264
 TOLERANCE = 2.5e-5  # float32 against float64, relative to the largest logit (errors seen: up to 1.3e-5)
+# Pre-norm without residuals, at the forward test's input: block 0 head 0 splits token (0, 10)'s attention
+# 0.54/0.46 between scores 156.14 and 155.97, and with no stream to dilute it that split goes straight to the
+# logits, so float32 rounding of the scores shows. Float32 errors measured there (params moved by <= 1 ulp,
+# 100 draws each): jax 0.10 and 0.12 up to 1.7e-4 and 2.1e-4, numpy float32 of the reference up to 2.3e-4;
+# 73-83% of the draws exceed TOLERANCE. Still 3,000x below what dropping the residual changes (1.24).
+NO_RESIDUAL_TOLERANCE = 4e-4
 
 
 # ---- a float64 reference for every variant, on this model's own parameter layout ----
@@ -172,7 +178,8 @@ def test_variant_forward_matches_float64_reference(overrides):
     ours = np.asarray(forward(m, params, ids), np.float64)
     reference = np_forward_variant(params, m, ids)[0]
     assert np.abs(reference).max() > 1.0
-    np.testing.assert_allclose(ours, reference, atol=TOLERANCE * np.abs(reference).max(), rtol=0)
+    tolerance = NO_RESIDUAL_TOLERANCE if (m.norm_position, m.residual) == ("pre", False) else TOLERANCE
+    np.testing.assert_allclose(ours, reference, atol=tolerance * np.abs(reference).max(), rtol=0)
 
 
 @pytest.mark.parametrize("wrong, right", [
