@@ -19,7 +19,7 @@ def get_config():
     c.keep_checkpoints = 3
     c.optimizer.learning_rate = 6e-4
     c.optimizer.warmup_steps = 700
-    c.data.source = "tfds:lm1b"  # prepares without Beam (TensorFlow reads its files: Colab has it)
+    c.data.source = "tfds:lm1b"  # prepares without Beam; TensorFlow reads its download (the notebook installs it)
     c.data.val_split = "test"  # lm1b has no validation split
     c.data.tokenizer = "bpe"
     return c

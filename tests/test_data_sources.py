@@ -172,3 +172,21 @@ def test_builder_needing_a_missing_module_fails_before_any_download(tmp_path, mo
     with pytest.raises(DataError, match="needs tensorflow, which is not installed; pip install tensorflow"):
         sources.ensure_prepared(builder, network_check=lambda: True)
     sys.modules.pop("needs_tensorflow_builder", None)
+
+
+def test_the_default_corpus_says_it_needs_tensorflow_where_it_is_missing(monkeypatch):
+    """configs/andrea120m.py's lm1b reads its download through TensorFlow, which Colab's TPU
+    runtimes lack: the notebook asks this (no data, no network) and installs it first."""
+    import importlib.util
+
+    from configs import andrea120m
+
+    source = andrea120m.get_config().data.source
+    assert source == "tfds:lm1b"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorflow" else real_find_spec(name, *a))
+    assert sources.missing_to_prepare(source) == "tensorflow"
+    monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
+    assert sources.missing_to_prepare(source) == (None if real_find_spec("tensorflow") else "tensorflow")
+    assert sources.missing_to_prepare("stdlib") is None and sources.missing_to_prepare("text:/tmp") is None

@@ -101,13 +101,23 @@ def network_available(timeout_s: float = 3.0) -> bool:
         return False
 
 
+def missing_to_prepare(source: str) -> str | None:
+    """For a `tfds:NAME[/CONFIG]` source, a module its builder needs that this machine lacks (else None).
+
+    Needs no data and no network, so a notebook can install what is missing first.
+    """
+    if not source.startswith("tfds:"):
+        return None
+    return missing_preparation_module(tfds.builder_cls(source[len("tfds:"):].split("/")[0]))
+
+
 def missing_preparation_module(builder) -> str | None:
-    """A module the builder's code imports to prepare, if this machine lacks it.
+    """A module the builder's code (a builder or its class) imports to prepare, if this machine lacks it.
 
     Many TFDS builders read files through TensorFlow (lm1b, tiny_shakespeare) or
     run on Apache Beam (wikipedia, c4); finding out after a long download is worse.
     """
-    module = sys.modules.get(type(builder).__module__)
+    module = sys.modules.get((builder if isinstance(builder, type) else type(builder)).__module__)
     try:
         code = inspect.getsource(module) if module else ""
     except (OSError, TypeError):
