@@ -2,8 +2,10 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -131,3 +133,24 @@ def test_auto_dtype_is_recorded_and_kept_on_resume(tmp_path, monkeypatch):
     fresh = str(tmp_path / "fresh")
     train_loop.train(loop_config(tmp_path, steps=2, **{"model.dtype": "auto"}), fresh, devices=jax.devices()[:1])
     assert saved_dtype(fresh) == "float32"
+
+
+def test_a_workdir_copied_to_another_file_system_resumes_exactly(tmp_path):
+    """As on Colab: the run's directory copied elsewhere (a Drive, another mount) resumes there, exactly."""
+    other_mount = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    if other_mount is None or os.stat(other_mount).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no writable second file system (/dev/shm) here")
+    devices = jax.devices()[:1]
+    unbroken, first = str(tmp_path / "unbroken"), str(tmp_path / "first")
+    train_loop.train(loop_config(tmp_path), unbroken, devices=devices)
+    train_loop.train(loop_config(tmp_path), first, devices=devices)
+    shutil.rmtree(os.path.join(first, "checkpoints", "8"))  # as if the runtime had gone after step 4
+    copied = tempfile.mkdtemp(dir=other_mount, prefix="andrea_copied_")
+    try:
+        shutil.copytree(first, copied, dirs_exist_ok=True)
+        train_loop.train(loop_config(tmp_path), copied, devices=devices)
+        assert losses(copied) == losses(unbroken)
+        assert losses(copied, "val_loss") == losses(unbroken, "val_loss")
+        assert sorted(os.listdir(os.path.join(copied, "checkpoints"))) == ["4", "8"]
+    finally:
+        shutil.rmtree(copied)
