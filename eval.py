@@ -140,5 +140,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_config_flag(sys.argv)
-    app.run(main)
+    with cli.one_line_flag_errors():  # --config.x=y is applied to a workdir's config here
+        _define_config_flag(sys.argv)
+    cli.run_app(main)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable
 
-from absl import flags, logging
+from absl import app, flags, logging
 
 COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                   "host:port of process 0, for a multi-process run launched by hand")
@@ -32,3 +33,44 @@ def run(main: Callable[[], None]) -> None:
     except (ConfigError, DataError, checkpoint.CheckpointError, train_loop.TrainingStopped) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+@contextlib.contextmanager
+def one_line_flag_errors():
+    """Every mistake on the command line as one line and exit status 2, in place of a traceback.
+
+    absl reports a bad value in a line of its own plus a help hint; ml_collections raises
+    (a misspelt --config.key, a config file that is missing or broken) with a traceback.
+    """
+    try:
+        yield
+        return
+    except flags.Error as error:  # a bad value, a missing required flag, an unknown flag
+        message = " ".join(str(error).split())
+    except AttributeError as error:  # ml_collections: a key the config does not have
+        inner = error.args[0] if error.args else error
+        text = inner.args[0] if isinstance(inner, KeyError) and inner.args else str(inner)
+        key, _, hint = str(text).partition("\n")
+        message = f"the config has no key {key.strip()}" + (f"; {hint.strip()}" if hint else
+                                                              "; see the config file for its keys")
+    except Exception as error:  # ml_collections: the config file could not be read or run
+        cause = error.__cause__ or error
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        message = (f"the --config file could not be loaded ({lines[-1] if lines else type(cause).__name__}); "
+                   f"pass a config file such as configs/tiny.py")
+    print(f"error: {message}; see --helpshort", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    with one_line_flag_errors():
+        argv = flags.FLAGS(argv)
+        if "config" in flags.FLAGS:
+            # ml_collections keeps a failed load as a value that raises on first use: use it now.
+            getattr(flags.FLAGS["config"].value, "keys", None)
+    return argv
+
+
+def run_app(main: Callable[[list[str]], None]) -> None:
+    """absl's app.run with one-line flag errors (train.py, eval.py, compile_check)."""
+    app.run(main, flags_parser=_parse_flags)

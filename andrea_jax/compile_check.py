@@ -17,10 +17,10 @@ import sys
 import flax.linen as nn
 import jax
 import ml_collections
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from andrea_jax import fit, flops, precision, sharding, targets
+from andrea_jax import cli, fit, flops, precision, sharding, targets
 from andrea_jax.config import ConfigError, validate
 
 GIB = 2 ** 30
@@ -125,4 +125,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config", "topology"])
-    app.run(main)
+    cli.run_app(main)

@@ -24,6 +24,8 @@ SHAPE_KEYS = ("n_layer", "d_model", "n_head", "mlp_dim", "vocab_size", "vocab_pa
 
 def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
     """The config a run in `workdir` was started with, or None for a new directory."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir {workdir} is a file, not a directory; pick a new or empty directory")
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(path):
         entries = [e for e in os.listdir(workdir)] if os.path.isdir(workdir) else []

@@ -116,6 +116,24 @@ def test_train_py_rejects_bad_configs_with_one_line(tmp_path, override, message)
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (["--config", "configs/tiny.py", "--config.stepz=5"], 'no key \'stepz\'; Did you mean "steps"'),
+    (["--config", "configs/nope.py"], "the --config file could not be loaded ([Errno 2] No such file"),
+    (["--config", "configs/tiny.py", "--config.steps=abc"], "flag --config.steps=abc: invalid literal"),
+    (["--config", "configs/tiny.py", "--stepz=5"], "Unknown command line flag 'stepz'"),
+    ([], "Flag --config must have a value"),
+    (["--config", "configs/tiny.py", "--workdir", "FILE"], "is a file, not a directory; pick a new or empty"),
+])
+def test_command_line_mistakes_are_one_line_before_any_work(tmp_path, arguments, message):
+    (tmp_path / "file").write_text("not a directory")
+    result = run_train(*[str(tmp_path / "file") if a == "FILE" else a for a in arguments], timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [line for line in result.stderr.splitlines()
+                                                  if line.startswith("error:")], result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
 def test_auto_dtype_is_recorded_and_kept_on_resume(tmp_path, monkeypatch):
     from andrea_jax import precision
     with_bf16, without = "flags\t: fpu avx512f avx512_bf16\n", "flags\t: fpu avx2\n"
