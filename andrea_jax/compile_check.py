@@ -71,17 +71,19 @@ def describe(steps: fit.Steps, target: targets.Target) -> str:
 class StepCost:
     model_flops: float  # a step, nanoGPT/PaLM convention
     xla_flops: float | None  # a step, all devices; None where XLA gives no cost analysis (GPUs)
-    roofline_seconds: float | None  # XLA's lower bound on the step's time
-    mfu_bound: float | None  # model_flops / (roofline_seconds × devices × the chip's bf16 peak)
+    roofline_seconds: float | None  # max(FLOPs / peak, bytes / bandwidth) of one device, from XLA's counts
+    mfu_bound: float | None  # model_flops / (roofline_seconds × devices × the chip's peak)
 
 
 def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
-    """FLOPs a step by XLA's count and by the model's formula, and XLA's roofline bound on MFU.
+    """FLOPs a step by XLA's count and by the model's formula, and the roofline bound on MFU.
 
-    XLA's cost analysis counts a loop's body once and gives no roofline time for it, so
-    with micro-batches the costs are those of a step of one micro-batch (compiled for this
-    report only), times the number of micro-batches: the optimizer update is counted that
-    many times, so the bound errs low.
+    The roofline is built from XLA's own FLOP and HBM byte counts of the compiled step and
+    the chip's peak rates. (XLA's `optimal_seconds` is not used: on TPUs it counts each
+    custom call, such as a gather's index packing, as -1 s.) XLA counts a loop's body once,
+    so with micro-batches the counts are those of a step of one micro-batch (compiled for
+    this report only), times the number of micro-batches: the optimizer update is counted
+    that many times, so the bound errs low.
     """
     config, micro, devices = steps.config, steps.config.microbatches, len(target.devices)
     model_flops = flops.flops_per_token(config.model, config.seq_len) * config.batch_size * config.seq_len
@@ -92,11 +94,11 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
         one = ml_collections.ConfigDict(config.to_dict())
         one.batch_size, one.microbatches = config.batch_size // micro, 1
         cost = compiled_for(one, target).train.cost_analysis()
-    seconds = cost.get("optimal_seconds", -1) * micro
     peak = flops.device_peak_flops(target.devices[0], config.model.dtype)
-    roofline = seconds if seconds > 0 else None
-    bound = model_flops / (seconds * devices * peak) if roofline and peak else None
-    return StepCost(model_flops, cost["flops"] * devices * micro, roofline, bound)
+    if not peak or not target.memory_bytes_per_second:
+        return StepCost(model_flops, cost["flops"] * devices * micro, None, None)
+    seconds = micro * max(cost["flops"] / peak, cost["bytes accessed"] / target.memory_bytes_per_second)
+    return StepCost(model_flops, cost["flops"] * devices * micro, seconds, model_flops / (seconds * devices * peak))
 
 
 def cost_text(cost: StepCost, tokens: int) -> str:
@@ -107,8 +109,9 @@ def cost_text(cost: StepCost, tokens: int) -> str:
             f"token), the model's formula {cost.model_flops / 1e12:.2f} T "
             f"({cost.model_flops / tokens / 1e6:.1f} M a token, nanoGPT/PaLM convention)")
     if cost.mfu_bound is not None:
-        text += (f"\nXLA's roofline time {cost.roofline_seconds * 1e3:.0f} ms a step: MFU can be at most "
-                 f"{100 * cost.mfu_bound:.0f}% (a bound from the compiler's cost model, not a measurement)")
+        text += (f"\nroofline from XLA's FLOP and byte counts: {cost.roofline_seconds * 1e3:.0f} ms a step, so MFU "
+                 f"can be at most {100 * cost.mfu_bound:.0f}% (a bound from the compiler's counts, not a "
+                 f"measurement)")
     return text
 
 

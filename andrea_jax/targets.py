@@ -28,13 +28,14 @@ class TpuGeneration:
     cores_per_chip: int  # how many of the slice name's count make a chip
     dimensions: int  # the chips' torus: 2-D or 3-D
     hbm_bytes: int  # HBM per chip that the TPU compiler lets a program use
+    hbm_bytes_per_second: float  # Cloud TPU's published HBM bandwidth per chip
 
 
 TPU_GENERATIONS = {
-    "v5e": TpuGeneration("v5e", "default", 1, 2, int(15.75 * GIB)),
-    "v6e": TpuGeneration("v6e", "default", 1, 2, int(31.25 * GIB)),
-    "v4": TpuGeneration("v4", "megacore", 2, 3, int(32 * GIB)),
-    "v5p": TpuGeneration("v5", "megacore", 2, 3, int(95 * GIB)),
+    "v5e": TpuGeneration("v5e", "default", 1, 2, int(15.75 * GIB), 819e9),
+    "v6e": TpuGeneration("v6e", "default", 1, 2, int(31.25 * GIB), 1640e9),
+    "v4": TpuGeneration("v4", "megacore", 2, 3, int(32 * GIB), 1228e9),
+    "v5p": TpuGeneration("v5", "megacore", 2, 3, int(95 * GIB), 2765e9),
 }
 
 
@@ -45,6 +46,7 @@ class Target:
     memory_limit: int  # bytes a program may use on one device
     memory_source: str
     num_hosts: int
+    memory_bytes_per_second: float | None = None  # for the roofline (TPUs: XLA counts bytes for them)
 
 
 def _torus(chips: int, dimensions: int) -> list[int]:
@@ -79,7 +81,7 @@ def tpu(name: str) -> Target:
         chip_config_name=generation.chip_config, chips_per_host_bounds=host_bounds)
     devices = list(topology.devices)
     return Target(name, devices, generation.hbm_bytes, f"{match.group(1)} HBM a chip",
-                  len({d.process_index for d in devices}))
+                  len({d.process_index for d in devices}), generation.hbm_bytes_per_second)
 
 
 def gpu_names() -> list[str]:
