@@ -7,6 +7,7 @@ log, evaluate and checkpoint. The host only waits for the device to log.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -58,6 +59,9 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
+_held_locks: list[int] = []
+
+
 def _barrier(name: str):
     if jax.process_count() == 1:
         return None
@@ -76,6 +80,8 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
         run_dir.check_compatible(saved, config, workdir)  # before any data work
 
     def as_leader():
+        lock = run_dir.hold(workdir)  # one run per workdir: before anything is written to it
+        _held_locks.append(lock)
         if saved is None:
             run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
         return pipeline.prepare(config, workdir, is_leader=True)
@@ -109,7 +115,18 @@ def evaluate(eval_step, params, val_tokens: np.ndarray, config: ml_collections.C
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None = None) -> dict:
-    """Runs (or resumes) the run in `workdir` on `devices` (default: all); returns the last logged record."""
+    """Runs (or resumes) the run in `workdir` on `devices` (default: all); returns the last logged record.
+
+    Process 0 holds the workdir's lock (`workdir.hold`) from before anything is written until the end.
+    """
+    try:
+        return _train(config, workdir, devices)
+    finally:
+        while _held_locks:
+            os.close(_held_locks.pop())
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None) -> dict:
     leader = jax.process_index() == 0
     validate(config)
     mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation

@@ -7,8 +7,11 @@ one line before anything in it is touched.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
+import time
 
 import ml_collections
 
@@ -16,6 +19,7 @@ from andrea_jax import atomic
 from andrea_jax.config import ConfigError, base_config
 
 CONFIG_FILE = "config.json"
+LOCK_FILE = "run.lock"  # held by the training run's process 0 for the run's whole life
 PROJECT = "andrea-jax"
 # Keys that decide the shapes or layout of the saved params.
 SHAPE_KEYS = ("n_layer", "d_model", "n_head", "mlp_dim", "vocab_size", "vocab_pad_multiple", "max_len",
@@ -28,7 +32,7 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
         raise ConfigError(f"--workdir {workdir} is a file, not a directory; pick a new or empty directory")
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(path):
-        entries = [e for e in os.listdir(workdir)] if os.path.isdir(workdir) else []
+        entries = [e for e in os.listdir(workdir) if e != LOCK_FILE] if os.path.isdir(workdir) else []
         if entries:
             raise ConfigError(f"--workdir {workdir} is not empty and holds no {PROJECT} run "
                               f"(no {CONFIG_FILE}); pick an empty or new directory")
@@ -70,3 +74,26 @@ def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, CONFIG_FILE)
     atomic.write(path, json.dumps({"project": PROJECT, "config": json.loads(config.to_json())}, indent=2))
+
+
+def hold(workdir: str) -> int:
+    """Takes the run's lock on `workdir`, or raises ConfigError naming the process that holds it.
+
+    The lock is an flock on `run.lock`: the kernel drops it when its holder exits, even by
+    kill -9 or a lost machine, so a dead run never blocks the next. Returns the descriptor
+    to keep open for the run's life (closing it, or exiting, releases the lock).
+    """
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, LOCK_FILE)
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(descriptor, 200, 0).decode("utf-8", "replace").strip() or "another process"
+        os.close(descriptor)
+        raise ConfigError(f"--workdir {workdir} is in use by a training run ({holder}); wait for it to end or "
+                          f"stop it (it saves and exits on Ctrl-C or SIGTERM), or use another --workdir") from None
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, started "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+    return descriptor

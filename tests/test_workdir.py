@@ -3,6 +3,8 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -14,14 +16,17 @@ from andrea_jax.data import DataError
 from andrea_jax.data import tokenizer as tokenizers
 from tests.test_checkpoint import tiny_config
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def snapshot(workdir):
-    """Every file under the workdir with its content (tensorboard events aside: they name the host)."""
+    """Every file under the workdir with its content (tensorboard events aside: they name the host;
+    the lock aside: it names its last holder)."""
     files = {}
     for root, _, names in os.walk(workdir):
         if "tensorboard" in root:
             continue
-        for name in names:
+        for name in set(names) - {run_dir.LOCK_FILE}:
             path = os.path.join(root, name)
             with open(path, "rb") as f:
                 files[os.path.relpath(path, workdir)] = f.read()
@@ -141,3 +146,31 @@ def test_a_saved_config_gains_keys_added_since_with_their_defaults(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"project": "andrea-jax", "config": saved}))
     loaded = run_dir.load_saved_config(str(tmp_path))
     assert loaded.model.d_model == 128 and loaded.model.dropout == base_config().model.dropout
+
+
+def test_a_second_run_on_a_workdir_in_use_stops_with_the_holder(tmp_path):
+    from tests.test_train_loop import loop_config
+
+    workdir = str(tmp_path / "run")
+    held = run_dir.hold(workdir)  # as a run in progress does
+    try:
+        with pytest.raises(ConfigError, match=rf"--workdir {workdir} is in use by a training run \(pid {os.getpid()} on "):
+            train_loop.train(loop_config(tmp_path, steps=2), workdir, devices=jax.devices()[:1])
+        assert os.listdir(workdir) == [run_dir.LOCK_FILE]  # nothing written
+    finally:
+        os.close(held)
+    train_loop.train(loop_config(tmp_path, steps=2), workdir, devices=jax.devices()[:1])  # free again: it runs
+    assert os.path.exists(os.path.join(workdir, "checkpoints", "2"))
+
+
+def test_a_holder_that_died_does_not_block_the_next_run(tmp_path):
+    workdir = str(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from andrea_jax import workdir; "
+                               "workdir.hold(sys.argv[1]); print('held', flush=True); time.sleep(600)", workdir],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(ConfigError, match=f"pid {holder.pid} on"):
+        run_dir.hold(workdir)
+    holder.kill()  # kill -9: no chance to clean up
+    holder.wait()
+    os.close(run_dir.hold(workdir))
