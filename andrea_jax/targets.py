@@ -73,6 +73,9 @@ def tpu(name: str) -> Target:
         raise ConfigError(f"--topology {name}: slices of {match.group(1)} come in powers of two "
                           f"{'from 8 cores' if generation.dimensions == 3 else 'chips'}, e.g. "
                           f"{match.group(1)}-{8 if generation.dimensions == 3 else 4}")
+    # libtpu lets one process at a time hold it (a lock file in /tmp), for the chips' sake; compiling
+    # for chips that are not here takes none, so two checks (or a check beside tests) may run at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     shape = _torus(chips, generation.dimensions)
     single_host = chips <= (8 if generation.dimensions == 2 else 4)
     host_bounds = tuple(shape) + (1,) * (3 - len(shape)) if single_host else (2, 2, 1)
