@@ -15,12 +15,12 @@ from typing import Any, Callable
 
 import jax
 import ml_collections
-import optax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from andrea_jax import checkpoint, optimizer, sharding, train_step
 from andrea_jax.config import ConfigError
-from andrea_jax.sharding import batch_sharding, replicated
 
 # Plan for at most this share of the device's memory: XLA's analysis leaves out
 # the allocator's fragmentation and the runtime's own buffers.
@@ -65,12 +65,17 @@ class OutOfMemory(Exception):
     """XLA refused to compile the step for lack of device memory (TPUs check at compile time)."""
 
 
-def device_memory_limit(device: Any) -> int | None:
-    """Bytes a program may use on `device`: the runtime's own limit, None on a CPU (no limit is planned for)."""
-    if device.platform == "cpu":
-        return None
-    stats = device.memory_stats() or {}
-    return stats.get("bytes_limit")
+def device_memory_limit() -> int | None:
+    """Bytes a program may use on each device: the runtime's own limit, None on a CPU (no limit is planned for).
+
+    With several processes, the smallest of their limits: every process must compile the same step.
+    """
+    device = jax.local_devices()[0]
+    limit = None if device.platform == "cpu" else (device.memory_stats() or {}).get("bytes_limit")
+    if jax.process_count() > 1:
+        limits = np.ravel(multihost_utils.process_allgather(np.int64(limit or 0)))
+        limit = int(limits.min()) if limits.min() > 0 else None
+    return limit
 
 
 def microbatch_choices(config: ml_collections.ConfigDict, mesh: Mesh) -> list[int]:
@@ -88,15 +93,15 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state:
     """
     tx, schedule = optimizer.make(config), optimizer.learning_rate_schedule(config)
     batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jax.numpy.int32,
-                                 sharding=batch_sharding(mesh))
+                                 sharding=sharding.batch_sharding(mesh))
     try:
         train = jax.jit(train_step.make_train_step(config, tx, schedule),
-                        in_shardings=(state_shardings, batch_sharding(mesh)),
-                        out_shardings=(state_shardings, replicated(mesh)),
+                        in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
+                        out_shardings=(state_shardings, sharding.replicated(mesh)),
                         donate_argnums=0).lower(abstract_state, batch).compile()
         evaluate = jax.jit(train_step.make_eval_step(config),
-                           in_shardings=(state_shardings["params"], batch_sharding(mesh)),
-                           out_shardings=replicated(mesh)).lower(abstract_state["params"], batch).compile()
+                           in_shardings=(state_shardings["params"], sharding.batch_sharding(mesh)),
+                           out_shardings=sharding.replicated(mesh)).lower(abstract_state["params"], batch).compile()
     except Exception as error:  # the runtime's error type differs between jax versions
         if "RESOURCE_EXHAUSTED" in str(error):
             raise OutOfMemory(str(error).splitlines()[0]) from error
@@ -134,15 +139,16 @@ def fit(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state: Any, stat
             return None, need + f" > {usable / GIB:.2f} GiB usable"
         return steps, need
 
+    if usable is None and not config.microbatches:
+        config = _with(config, 1, config.model.remat)
     if config.microbatches:
         steps, outcome = attempt(config)
         if steps is None:
-            raise ConfigError(f"the step does not fit the device memory ({outcome}, {HEADROOM:.0%} of "
-                              f"{limit / GIB:.2f} GiB); set --config.microbatches=0 to choose a fitting "
-                              f"number of micro-batches automatically")
+            room = "" if limit is None else f", {HEADROOM:.0%} of {limit / GIB:.2f} GiB"
+            raise ConfigError(f"the step does not fit the device memory ({outcome}{room}); set a larger "
+                              f"--config.microbatches (a run keeps the count it started with, for exact "
+                              f"losses), or 0 in a new run to choose one automatically")
         return steps
-    if usable is None:
-        return compile_steps(_with(config, 1, config.model.remat), mesh, abstract_state, state_shardings)
 
     tried = []
     for remat in sorted({config.model.remat, True}):

@@ -23,7 +23,7 @@ PEAK_BF16_FLOPS = [
 ]
 # Dense float32 (not TF32) peak of the GPUs where float32 is what "auto" may run, or a user asks for.
 PEAK_FLOAT32_FLOPS = [
-    ("H200", 67e12), ("H100", 67e12), ("A100", 19.5e12), ("L4", 30.3e12), ("V100", 15.7e12), ("T4", 8.1e12),
+    ("H200", 67e12), ("H100", 67e12), ("A100", 19.5e12), ("L40S", 91.6e12), ("L4", 30.3e12), ("V100", 15.7e12), ("T4", 8.1e12),
 ]
 
 

@@ -79,9 +79,14 @@ def tpu(name: str) -> Target:
     shape = _torus(chips, generation.dimensions)
     single_host = chips <= (8 if generation.dimensions == 2 else 4)
     host_bounds = tuple(shape) + (1,) * (3 - len(shape)) if single_host else (2, 2, 1)
-    topology = topologies.get_topology_desc(
-        platform="tpu", topology_name=f"{generation.topology_prefix}:{'x'.join(map(str, shape))}",
-        chip_config_name=generation.chip_config, chips_per_host_bounds=host_bounds)
+    try:
+        topology = topologies.get_topology_desc(
+            platform="tpu", topology_name=f"{generation.topology_prefix}:{'x'.join(map(str, shape))}",
+            chip_config_name=generation.chip_config, chips_per_host_bounds=host_bounds)
+    except Exception as error:  # no libtpu: the runtime's message differs between versions
+        import jax
+        raise ConfigError(f"--topology {name} needs XLA's TPU compiler ({str(error).splitlines()[0][:120]}); "
+                          f'pip install "jax[tpu]=={jax.__version__}"') from error
     devices = list(topology.devices)
     return Target(name, devices, generation.hbm_bytes, f"{match.group(1)} HBM a chip",
                   len({d.process_index for d in devices}), generation.hbm_bytes_per_second)

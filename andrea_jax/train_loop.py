@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import checkpoint, fit, flops, metrics, optimizer, precision, sharding, summary, train_step
+from andrea_jax import checkpoint, fit, flops, loss_scale, metrics, optimizer, precision, sharding, summary, train_step
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
@@ -146,7 +146,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
         abstract, state_shardings = fit.abstract_state(config, mesh, axis_rules, jax.random.key(config.seed))
         # Compiled before any state exists, so that the choice of micro-batches sees the whole memory.
-        steps = fit.fit(config, mesh, abstract, state_shardings, fit.device_memory_limit(mesh.devices.flat[0]),
+        steps = fit.fit(config, mesh, abstract, state_shardings, fit.device_memory_limit(),
                         report=print if leader else lambda line: None)
         config = steps.config
         init = partial(train_step.init_state, config=config, tx=optimizer.make(config))
@@ -167,6 +167,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
                 start_step = int(meta["step"])
                 carried_losses = list(meta.get("log_interval_losses", []))
                 state = {"step": jax.device_put(np.int32(start_step), state_shardings["step"]), **restored_state}
+                if "loss_scale" in abstract and "loss_scale" not in state:  # saved computing in another dtype
+                    state["loss_scale"] = jax.device_put(loss_scale.init(), state_shardings["loss_scale"])
                 if leader:
                     print(f"resumed from step {start_step} of {ckpt.directory}", flush=True)
             if leader:
@@ -207,6 +209,12 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
         for at, record in values:
             if not record["finite"]:
                 kept = ckpt.steps()
+                if "loss_scale" in record:
+                    raise TrainingStopped(
+                        f"float16 overflowed at step {at + 1} (loss {record['loss']}, loss scale "
+                        f"{record['loss_scale']}); nothing was saved after it, the last good checkpoint is "
+                        f"{'step ' + str(kept[-1]) if kept else 'none'}; compute in bfloat16 where the hardware "
+                        f"has it, or --config.model.dtype=float32, in a new run")
                 raise TrainingStopped(
                     f"loss or gradients became non-finite at step {at + 1} (loss {record['loss']}, grad norm "
                     f"{record['grad_norm']}); nothing was saved after it, the last good checkpoint is "

@@ -88,11 +88,15 @@ def hold(workdir: str) -> int:
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         holder = os.pread(descriptor, 200, 0).decode("utf-8", "replace").strip() or "another process"
         os.close(descriptor)
         raise ConfigError(f"--workdir {workdir} is in use by a training run ({holder}); wait for it to end or "
                           f"stop it (it saves and exits on Ctrl-C or SIGTERM), or use another --workdir") from None
+    except OSError as error:  # a file system without locks
+        os.close(descriptor)
+        raise ConfigError(f"--workdir {workdir} is on a file system without file locks ({error.strerror}), which "
+                          f"keep two runs apart; use a local disk or NFS") from None
     os.ftruncate(descriptor, 0)
     os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, started "
                           f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)

@@ -76,7 +76,7 @@ def test_the_automatic_step_equals_the_same_count_set_by_hand(peaks):
 
 
 def test_a_set_count_that_does_not_fit_is_refused_with_the_fix(peaks):
-    with pytest.raises(ConfigError, match=r"does not fit .*--config.microbatches=0"):
+    with pytest.raises(ConfigError, match=r"does not fit .*set a larger --config.microbatches"):
         fit_on_cpu(small_config(microbatches=1), int(peaks[2] / fit.HEADROOM))
 
 
@@ -110,12 +110,12 @@ def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, monkeypatch):
     unbroken, resumed = str(tmp_path / "unbroken"), str(tmp_path / "resumed")
     train_loop.train(loop_config(tmp_path, microbatches=2), unbroken, devices=devices)
 
-    monkeypatch.setattr(fit, "device_memory_limit", lambda device: limit)
+    monkeypatch.setattr(fit, "device_memory_limit", lambda: limit)
     train_loop.train(loop_config(tmp_path), resumed, devices=devices)
     saved = lambda: json.load(open(os.path.join(resumed, "config.json")))["config"]["microbatches"]
     assert saved() == 2
     shutil.rmtree(os.path.join(resumed, "checkpoints", "8"))  # as if the run had stopped after step 4
-    monkeypatch.setattr(fit, "device_memory_limit", lambda device: None)  # alone, 0 would mean 1 here
+    monkeypatch.setattr(fit, "device_memory_limit", lambda: None)  # alone, 0 would mean 1 here
     train_loop.train(loop_config(tmp_path), resumed, devices=devices)
     assert saved() == 2
     assert losses(resumed) == losses(unbroken)

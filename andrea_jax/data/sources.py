@@ -136,7 +136,7 @@ def ensure_prepared(builder, network_check: Callable[[], bool] = network_availab
     missing = missing_preparation_module(builder)
     if missing:
         raise DataError(f"preparing TFDS dataset {name} needs {missing}, which is not installed; "
-                        f"pip install {missing.replace('_', '-')} (Colab has tensorflow), or "
+                        f"pip install {'tensorflow-cpu' if missing == 'tensorflow' else missing.replace('_', '-')}, or "
                         f"prepare it where it is and set data.tfds_data_dir")
     if not network_check():
         raise DataError(
