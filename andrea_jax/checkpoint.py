@@ -95,10 +95,10 @@ class Checkpointer:
     def _restore_step(self, step: int, abstract_state: dict, params_only: bool, expect: dict) -> tuple[dict, dict]:
         meta = self.read_meta(step)
         check_meta(meta, f"checkpoint step {step} in {self.directory}", **expect)
-        # Only the items the step has: a run that computed in another dtype saved no loss scale.
+        # A run that computed in another dtype saved no loss scale: the caller starts one.
         names = ["params"] if params_only else [
             item for item in abstract_state
-            if item != "step" and (item == "params" or os.path.isdir(os.path.join(self.directory, str(step), item)))]
+            if item != "step" and (item != "loss_scale" or os.path.isdir(os.path.join(self.directory, str(step), item)))]
         restored = self._manager.restore(step, args=ocp.args.Composite(
             **{item: ocp.args.StandardRestore(abstract_state[item]) for item in names}))
         return {item: restored[item] for item in names}, meta

@@ -123,3 +123,14 @@ def test_a_resume_across_scale_changes_is_exact(tmp_path, monkeypatch):
     assert losses(unbroken, "skipped_steps")[-1][1] > 0
     for key in ("loss", "loss_scale", "skipped_steps", "val_loss"):
         assert losses(resumed, key) == losses(unbroken, key)
+
+
+def test_a_checkpoint_saved_in_another_dtype_resumes_in_float16_with_a_fresh_scale(tmp_path):
+    devices = jax.devices()[:1]
+    workdir = str(tmp_path / "run")
+    train_loop.train(loop_config(tmp_path, log_every=1, **{"model.dtype": "bfloat16"}), workdir, devices=devices)
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+    train_loop.train(loop_config(tmp_path, log_every=1, **{"model.dtype": "float16"}), workdir, devices=devices)
+    assert [step for step, _ in losses(workdir, "loss_scale")] == [5, 6, 7, 8]
+    assert losses(workdir, "loss_scale")[0][1] == loss_scale.INITIAL_SCALE
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", "8", "loss_scale"))
