@@ -21,7 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import checkpoint, fit, flops, loss_scale, metrics, optimizer, precision, sharding, summary, train_step
+from andrea_jax import attention, checkpoint, fit, flops, loss_scale, metrics, optimizer, precision, sharding, summary
+from andrea_jax import train_step
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
@@ -97,6 +98,7 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
         if config.microbatches == 0 and saved.microbatches:
             config.microbatches, config.model.remat = saved.microbatches, saved.model.remat
     config.model.dtype = precision.resolve_dtype_name(config.model.dtype, device)  # the record says what ran
+    config.model.attention = attention.for_device(config.model, device)
     if saved is not None:
         run_dir.check_compatible(saved, config, workdir)
     # An existing run's config.json is rewritten by `train` once its checkpoints are known to fit.

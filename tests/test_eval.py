@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from andrea_jax import checkpoint, evaluate, metrics, sampling, train_loop, train_step
+from andrea_jax import workdir as run_dir
 from tests.test_checkpoint import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,6 +131,13 @@ def test_a_run_without_checkpoints_or_config(trained, tmp_path):
         evaluate.run_config(str(workdir))
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint for step 3 .*available steps: 5, 10"):
         evaluate.restore(trained, evaluate.run_config(trained), step=3)
+
+
+def test_a_run_recorded_with_the_tpu_kernel_is_evaluated_with_this_machines_attention(tmp_path):
+    config = tiny_config(tmp_path)
+    config.model.attention = "flash"
+    run_dir.save_config(str(tmp_path / "run"), config)
+    assert evaluate.run_config(str(tmp_path / "run")).model.attention == "auto"  # on a CPU: dot_product
 
 
 def test_trace_prints_a_row_per_depth_and_plot_draws_the_run(trained):
