@@ -51,6 +51,8 @@ from andrea_jax.config import padded_vocab_size
 from andrea_jax.precision import compute_dtype, matmul
 
 INIT_STD = 0.02  # GPT-2's normal init for weights and embeddings
+# On a CPU the einsum attention runs in blocks of this many queries (see Attention).
+CPU_QUERY_BLOCK = 128
 ACTIVATIONS = {
     "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
     "gelu_exact": lambda h: jax.nn.gelu(h, approximate=False),
@@ -147,6 +149,17 @@ def _split_qkv_bwd(_, cotangents):
 split_qkv.defvjp(_split_qkv_fwd, _split_qkv_bwd)
 
 
+def softmax_attention(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array, causal_LxS: jax.Array,
+                      dtype, dropout) -> jax.Array:
+    """softmax(q·kᵀ/√K + mask)·v: scores and softmax in float32, products in `dtype`."""
+    logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxSxHxK,
+                                preferred_element_type=jnp.float32) / math.sqrt(q_BxLxHxK.shape[-1])
+    logits_BxHxLxS = jnp.where(causal_LxS, logits_BxHxLxS, jnp.finfo(jnp.float32).min)
+    probs_BxHxLxS = dropout(jax.nn.softmax(logits_BxHxLxS, axis=-1))
+    return jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxS.astype(dtype), v_BxSxHxK,
+                      preferred_element_type=jnp.float32).astype(dtype)
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention; qkv kernel laid out as GPT-2's c_attn."""
     n_head: int
@@ -202,13 +215,18 @@ class Attention(nn.Module):
             # Reaches cuDNN flash attention on GPU; plain XLA elsewhere.
             out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True)
         else:
-            logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxSxHxK,
-                                        preferred_element_type=jnp.float32) / math.sqrt(head_dim)
-            logits_BxHxLxS = jnp.where(causal_LxS, logits_BxHxLxS, jnp.finfo(jnp.float32).min)
-            probs_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1)
-            probs_BxHxLxS = nn.Dropout(self.dropout)(probs_BxHxLxS, deterministic=deterministic)
-            out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxS.astype(self.dtype), v_BxSxHxK,
-                                     preferred_element_type=jnp.float32).astype(self.dtype)
+            drop = lambda probs: nn.Dropout(self.dropout)(probs, deterministic=deterministic)
+            if cache_index is None and jax.default_backend() == "cpu" and length > CPU_QUERY_BLOCK:
+                # Query block i attends keys [0, end of block i) only: the blocks above the causal
+                # diagonal are never computed (a quarter of the square at 2 blocks), and each row
+                # still gets one exact softmax over all its keys. Measured on a CPU (bench/RESULTS.md).
+                out_BxLxHxK = jnp.concatenate([
+                    softmax_attention(q_BxLxHxK[:, start:stop], k_BxSxHxK[:, :stop], v_BxSxHxK[:, :stop],
+                                      causal_LxS[start:stop, :stop], self.dtype, drop)
+                    for start in range(0, length, CPU_QUERY_BLOCK)
+                    for stop in [min(start + CPU_QUERY_BLOCK, length)]], axis=1)
+            else:
+                out_BxLxHxK = softmax_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, self.dtype, drop)
 
         out_BxLxD = matmul(out_BxLxHxK, out_kernel, "blhk,hkd->bld", self.dtype) + out_bias
         out_BxLxD = nn.Dropout(self.dropout)(out_BxLxD, deterministic=deterministic)
