@@ -12,6 +12,7 @@ step again.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Any
 
@@ -19,12 +20,15 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
+import numpy as np
 from jax.experimental import multihost_utils
 
+from andrea_jax import atomic
 from andrea_jax.workdir import PROJECT, SHAPE_KEYS
 
 FORMAT_VERSION = 1
 UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir, next to checkpoints/
+SAVE_MARGIN_BYTES = 2**20  # Orbax's metadata and indexes beside the arrays
 
 
 class CheckpointError(RuntimeError):
@@ -82,10 +86,23 @@ class Checkpointer:
     def save(self, step: int, state: dict, meta: dict) -> None:
         """Starts an async save of the state at `step`; training goes on while it writes."""
         started = time.perf_counter()
+        self._check_space(step, state)
         meta = {"project": PROJECT, "format": FORMAT_VERSION, "step": int(step), **meta}
         arrays = {item: ocp.args.StandardSave(tree) for item, tree in state.items() if item != "step"}
         self._manager.save(step, args=ocp.args.Composite(**arrays, meta=ocp.args.JsonSave(meta)), force=True)
         self.last_save_seconds = time.perf_counter() - started
+
+    def _check_space(self, step: int, state: dict) -> None:
+        """Refuses a save the disk cannot hold, before anything is written: a save that fails halfway
+        fails in Orbax's writer threads, long after the step, in many tracebacks."""
+        # The shards this process writes: one copy of each, uncompressed.
+        needed = SAVE_MARGIN_BYTES + sum(shard.data.nbytes for leaf in jax.tree.leaves(state)
+                                         for shard in leaf.addressable_shards if shard.replica_id == 0)
+        short = shutil.disk_usage(self.directory).free < needed
+        if jax.process_count() > 1:  # all processes refuse together, or none does
+            short = bool(multihost_utils.process_allgather(np.int32(short)).any())
+        if short:
+            raise atomic.disk_full(os.path.join(self.directory, str(step)), needed)
 
     def read_meta(self, step: int) -> dict:
         """The metadata item of `step` alone (no arrays are read)."""

@@ -19,7 +19,7 @@ DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
 
 def run(main: Callable[[], None]) -> None:
     """Joins the cluster if there is one, runs `main`, and turns user errors into one line and exit code 2."""
-    from andrea_jax import checkpoint, distributed, host_memory, train_loop
+    from andrea_jax import atomic, checkpoint, distributed, host_memory, train_loop
     from andrea_jax.config import ConfigError
     from andrea_jax.data import DataError
 
@@ -32,6 +32,12 @@ def run(main: Callable[[], None]) -> None:
         main()
     except (ConfigError, DataError, checkpoint.CheckpointError, train_loop.TrainingStopped) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except Exception as error:  # a full disk arrives from many writers, Orbax's threads among them
+        disk_full = atomic.as_disk_full(error)
+        if disk_full is None:
+            raise
+        print(f"error: {disk_full}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

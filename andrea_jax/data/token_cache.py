@@ -142,7 +142,7 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
     started = time.perf_counter()
     temporary = f"{tokens_path}.tmp{os.getpid()}"
     try:
-        with open(temporary, "wb") as out:
+        with atomic.writing(tokens_path), open(temporary, "wb") as out:
             num_tokens, num_bytes = _encode_into(out, documents, tokenizer, split, progress)
             out.flush()
             os.fsync(out.fileno())
