@@ -28,6 +28,9 @@ from andrea_jax.workdir import PROJECT, SHAPE_KEYS
 
 FORMAT_VERSION = 1
 UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir, next to checkpoints/
+# Steps past `keep` are renamed in here (one atomic step), then removed: a kill while removing
+# never leaves a half-deleted step among the kept ones.
+DELETING_DIR = "deleting"  # in checkpoints/
 SAVE_MARGIN_BYTES = 2**20  # Orbax's metadata and indexes beside the arrays
 
 
@@ -77,7 +80,8 @@ class Checkpointer:
         self.last_save_seconds = 0.0  # how long the last save() held the caller up
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                                create=not read_only, read_only=read_only,
-                                               cleanup_tmp_directories=not read_only)
+                                               cleanup_tmp_directories=not read_only,
+                                               todelete_subdir=None if read_only else DELETING_DIR)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def steps(self) -> list[int]:
@@ -86,11 +90,17 @@ class Checkpointer:
     def save(self, step: int, state: dict, meta: dict) -> None:
         """Starts an async save of the state at `step`; training goes on while it writes."""
         started = time.perf_counter()
+        self._manager.wait_until_finished()  # as save() would: nothing is being renamed into DELETING_DIR now
+        self._remove_deleted()
         self._check_space(step, state)
         meta = {"project": PROJECT, "format": FORMAT_VERSION, "step": int(step), **meta}
         arrays = {item: ocp.args.StandardSave(tree) for item, tree in state.items() if item != "step"}
         self._manager.save(step, args=ocp.args.Composite(**arrays, meta=ocp.args.JsonSave(meta)), force=True)
         self.last_save_seconds = time.perf_counter() - started
+
+    def _remove_deleted(self) -> None:
+        if jax.process_index() == 0:  # the process that deletes
+            shutil.rmtree(os.path.join(self.directory, DELETING_DIR), ignore_errors=True)
 
     def _check_space(self, step: int, state: dict) -> None:
         """Refuses a save the disk cannot hold, before anything is written: a save that fails halfway
@@ -193,6 +203,8 @@ class Checkpointer:
         """Waits for the last async save, then releases the manager (call in a finally)."""
         self._manager.wait_until_finished()
         self._manager.close()
+        if not self.read_only:
+            self._remove_deleted()
 
 
 def first_line(error: Exception) -> str:

@@ -109,6 +109,25 @@ def test_save_restore_items_and_keep_newest(tmp_path, model_config):
     ckpt.close()
 
 
+def test_a_step_past_keep_leaves_in_one_rename_and_its_removal_can_be_cut_short(tmp_path, model_config):
+    state, abstract = state_on(model_config, jax.devices()[:1])
+    ckpt = checkpoint.Checkpointer(str(tmp_path), keep=1)
+    for step in (2, 4):
+        ckpt.save(step, state, {**meta_for(model_config), "data_step": step})
+    ckpt.wait()
+    deleting = tmp_path / "checkpoints" / checkpoint.DELETING_DIR
+    assert ckpt.steps() == [4] and os.listdir(deleting) == ["2"]  # whole, out of the kept steps' way
+    shutil.rmtree(deleting / "2" / "params")  # as if killed while removing it
+    ckpt.save(6, state, {**meta_for(model_config), "data_step": 6})  # removes what is left first
+    ckpt.close()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
+    ckpt = checkpoint.Checkpointer(str(tmp_path), read_only=True)
+    restored, meta = ckpt.restore(abstract, tokenizer_sha256=TOKENIZER_SHA, model_config=model_config.model)
+    ckpt.close()
+    assert meta["step"] == 6
+    assert_bit_equal(restored["opt_state"], state["opt_state"])
+
+
 @pytest.mark.parametrize("target_devices, target_mesh", [(1, (1, 1, 1)), (8, (1, 4, 2)), (4, (4, 1, 1))])
 def test_restore_onto_another_topology_is_bit_exact(tmp_path, model_config, target_devices, target_mesh):
     # Written on 8 devices, sharded over data, fsdp and tensor at once.
