@@ -435,7 +435,7 @@ def main(argv: list[str]) -> None:
     command = " ".join(argv[1:])
     try:
         if command not in _REQUIRED:
-            raise ExportError(f"say what to do first: export or import, not {command or 'nothing'!r}; "
+            raise ExportError(f"say export or import first{f', not {command!r}' if command else ''}; "
                               f"e.g. python -m andrea_jax.hf_export export --workdir RUN --out DIR")
         missing = [f"--{name}" for name in _REQUIRED[command] if values[name].value is None]
         if missing:

@@ -235,7 +235,7 @@ def test_command_line_errors_are_one_line(run, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     for args, words in [(["export", "--workdir", run["workdir"], "--out", str(out)], ["--overwrite"]),
-                        (["--workdir", str(tmp_path / "new")], ["export or import"])]:
+                        (["--workdir", str(tmp_path / "new")], ["say export or import first;"])]:
         result = _command(*args)
         err = result.stderr.strip()
         assert result.returncode == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
