@@ -179,8 +179,14 @@ def write_report(workdir: str, report: dict) -> str:
 
 def continue_text(restored: Restored, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int,
                   top_p: float, seed: int) -> str:
-    """The prompt's continuation (KV-cached sampling), stopping at end-of-text."""
+    """The prompt's continuation (KV-cached sampling), stopping at end-of-text if the tokenizer has it."""
     tokenizer, model_config = restored.tokenizer, restored.config.model
+    if tokenizer.eot_id is None:
+        if not prompt:
+            raise EvalError("this tokenizer has no end-of-text token to start a new document from; "
+                            "pass a --prompt with some text, e.g. a newline")
+        print(f"note: the {tokenizer.kind} tokenizer has no end-of-text token, so the sample cannot stop "
+              f"early: it runs to --max_new_tokens={max_new_tokens} or the end of the context", flush=True)
     prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]  # "": a new document
     room = int(model_config.max_len) - 1
     if len(prompt_ids) > room:

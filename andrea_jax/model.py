@@ -77,15 +77,19 @@ def mlp_hidden_dim(model_config: ml_collections.ConfigDict) -> int:
 
 
 def non_gpt2_features(model_config: ml_collections.ConfigDict) -> list[str]:
-    """The ablation switches set away from GPT-2's architecture ([] = a GPT-2 model)."""
+    """The ablation switches set away from what GPT-2's architecture can hold ([] = a GPT-2 model).
+
+    Either GELU is GPT-2's: transformers' GPT-2 takes the exact one as activation_function="gelu"
+    (nanoGPT's), the tanh one as "gelu_new" (OpenAI's).
+    """
     m = model_config
     found = []
     if m.get("norm_position", "pre") != "pre":
         found.append(f"model.norm_position={m.norm_position!r} (GPT-2 is 'pre')")
     if not m.get("residual", True):
         found.append("model.residual=False (GPT-2 has residual connections)")
-    if m.get("activation", "gelu_tanh") != "gelu_tanh":
-        found.append(f"model.activation={m.activation!r} (GPT-2 is 'gelu_tanh')")
+    if m.get("activation", "gelu_tanh") not in ("gelu_tanh", "gelu_exact"):
+        found.append(f"model.activation={m.activation!r} (GPT-2 is 'gelu_tanh' or 'gelu_exact')")
     return found
 
 

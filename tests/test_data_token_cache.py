@@ -38,6 +38,15 @@ def test_documents_are_encoded_with_end_of_text_after_each(tmp_path):
     assert sorted(os.listdir(directory)) == ["train.bin", "train.json"]
 
 
+def test_a_tokenizer_without_end_of_text_joins_documents(tmp_path):
+    """nanoGPT's char vocabulary has no end-of-text: the documents abut, as in its train.bin."""
+    documents = ["abc", "", "ca\nb"]
+    tokenizer = CharTokenizer("abc\n", end_of_text=False)
+    _, split = build(tmp_path, documents, tokenizer)
+    assert split.tokens.tolist() == tokenizer.encode("abcca\nb") == [1, 2, 3, 3, 1, 0, 2]
+    assert split.manifest["eot_id"] is None and split.manifest["vocab_size"] == 4
+
+
 def test_many_batches_match_one_encoding(tmp_path):
     documents = [f"document number {i} " * (i % 7 + 1) for i in range(3000)]
     _, split = build(tmp_path, documents)

@@ -1,6 +1,7 @@
 """Tokenizers: byte-level BPE (the ANDREA 8449), bytes, and characters.
 
-All three share one small interface and save to one `tokenizer.json`. Text is a
+All three share one small interface and save to one `tokenizer.json`; nanoGPT's
+character vocabulary (`meta.pkl`) reads as a char tokenizer. Text is a
 Python `str` that may carry undecodable file bytes as surrogate escapes
 (`errors="surrogateescape"`); every tokenizer encodes those losslessly, and
 `decode(ids, errors="surrogateescape")` gives the exact string back.
@@ -13,6 +14,7 @@ import functools
 import hashlib
 import json
 import os
+import pickletools
 import re
 from typing import Iterable, Sequence
 
@@ -60,7 +62,7 @@ class Tokenizer(abc.ABC):
 
     kind: str
     vocab_size: int
-    eot_id: int
+    eot_id: int | None  # None: no end-of-text token (nanoGPT's character vocabulary), documents just abut
 
     @abc.abstractmethod
     def to_json(self) -> str:
@@ -120,19 +122,19 @@ class ByteTokenizer(Tokenizer):
 
 
 class CharTokenizer(Tokenizer):
-    """One token per character of the training text, sorted, + end-of-text last."""
+    """One token per character of the training text, sorted, + end-of-text last (if `end_of_text`)."""
 
     kind = "char"
 
-    def __init__(self, chars: Sequence[str]) -> None:
+    def __init__(self, chars: Sequence[str], end_of_text: bool = True) -> None:
         self.chars = sorted(set(chars))
-        self.vocab_size = len(self.chars) + 1
-        self.eot_id = len(self.chars)
+        self.vocab_size = len(self.chars) + end_of_text
+        self.eot_id = len(self.chars) if end_of_text else None
         self._code_points = np.array([ord(c) for c in self.chars], np.uint32)
 
     def to_json(self) -> str:
         return json.dumps({_OWN_FORMAT_KEY: "char", "version": 1,
-                           "end_of_text": END_OF_TEXT, "chars": self.chars})
+                           "end_of_text": END_OF_TEXT if self.eot_id is not None else None, "chars": self.chars})
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [self._encode_one(t) for t in texts]
@@ -152,7 +154,7 @@ class CharTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
         size = len(self.chars)
         text = "".join(self.chars[i] if 0 <= i < size else
-                       END_OF_TEXT if i == size else "\ufffd" for i in map(int, ids))
+                       END_OF_TEXT if i == self.eot_id else "\ufffd" for i in map(int, ids))
         return text if errors == "surrogateescape" else _SURROGATE_RUN.sub(
             lambda run: "\ufffd" * len(run.group()), text)
 
@@ -251,7 +253,9 @@ def build_char(texts: Iterable[str]) -> CharTokenizer:
 
 
 def load(path: str | os.PathLike) -> Tokenizer:
-    """Reads any `tokenizer.json` this module writes, or a byte-level BPE one."""
+    """Reads any `tokenizer.json` this module writes, a byte-level BPE one, or nanoGPT's meta.pkl."""
+    if os.fspath(path).endswith(".pkl"):
+        return read_nanogpt_meta(path)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -263,7 +267,7 @@ def load(path: str | os.PathLike) -> Tokenizer:
     if own == "byte":
         return ByteTokenizer()
     if own == "char":
-        return CharTokenizer(content["chars"])
+        return CharTokenizer(content["chars"], end_of_text=content.get("end_of_text") is not None)
     pre_tokenizer = (content.get("pre_tokenizer") or {}) if isinstance(content, dict) else {}
     if pre_tokenizer.get("type") != "ByteLevel":
         raise DataError(f"{os.fspath(path)!r} is not a byte-level BPE tokenizer.json; "
@@ -271,3 +275,65 @@ def load(path: str | os.PathLike) -> Tokenizer:
     from tokenizers import Tokenizer as HfTokenizer
 
     return BpeTokenizer(HfTokenizer.from_str(text))
+
+
+# The opcodes pickle protocols 1 to 5 write for a dict of dicts, strings and integers.
+_META_VALUES = {"BININT", "BININT1", "BININT2", "LONG1", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
+_META_NOOPS = {"PROTO", "FRAME", "STOP"}
+
+
+def read_nanogpt_meta(path: str | os.PathLike) -> CharTokenizer:
+    """nanoGPT's character vocabulary ({'vocab_size': n, 'itos': {i: c}, 'stoi': {c: i}}), never unpickled.
+
+    The file's opcodes are read with `pickletools.genops` (a disassembler, which
+    runs nothing) and interpreted here for dicts, strings and integers only. A
+    restricted `Unpickler` (find_class refusing every global) would also block
+    code, but it still runs the general machine over untrusted bytes and hands
+    back whatever built-in objects the file asks for; here any other opcode, and
+    so any other object, is refused before it is built.
+    """
+    def refuse(why: str) -> DataError:
+        return DataError(f"{os.fspath(path)!r} is not nanoGPT's character vocabulary ({why}); only a plain "
+                         f"dict of vocab_size, itos and stoi is read: pass the meta.pkl its prepare.py wrote")
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as error:
+        raise refuse(str(error)) from None
+    stack, memo, mark = [], {}, object()
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            name = opcode.name
+            if name in _META_VALUES:
+                stack.append(arg)
+            elif name == "EMPTY_DICT":
+                stack.append({})
+            elif name == "MARK":
+                stack.append(mark)
+            elif name in ("MEMOIZE", "BINPUT", "LONG_BINPUT"):
+                memo[len(memo) if arg is None else arg] = stack[-1]
+            elif name in ("BINGET", "LONG_BINGET"):
+                stack.append(memo[arg])
+            elif name in ("SETITEM", "SETITEMS"):
+                start = len(stack) - 2 if name == "SETITEM" else max(
+                    i for i, item in enumerate(stack) if item is mark)
+                items = stack[start:] if name == "SETITEM" else stack[start + 1:]
+                del stack[start:]
+                if not isinstance(stack[-1], dict) or len(items) % 2:
+                    raise ValueError(f"{name} without a dict and key-value pairs")
+                stack[-1].update(zip(items[::2], items[1::2]))
+            elif name not in _META_NOOPS:
+                raise refuse(f"it holds a {name} opcode, which a dict of strings and integers never needs")
+    except (ValueError, KeyError, IndexError, TypeError) as error:
+        raise refuse(f"unreadable: {error}") from None
+    meta = stack[0] if len(stack) == 1 and isinstance(stack[0], dict) else {}
+    itos, size = meta.get("itos"), meta.get("vocab_size")
+    if not isinstance(itos, dict) or not isinstance(size, int) or len(itos) != size:
+        raise refuse("no itos dict of vocab_size entries")
+    chars = [itos.get(i) for i in range(size)]
+    if not all(isinstance(c, str) and len(c) == 1 for c in chars) or chars != sorted(set(chars)):
+        raise refuse("itos is not ids 0..vocab_size-1 to distinct characters in sorted order")
+    if meta.get("stoi", {c: i for i, c in enumerate(chars)}) != {c: i for i, c in enumerate(chars)}:
+        raise refuse("stoi is not the inverse of itos")
+    return CharTokenizer(chars, end_of_text=False)
