@@ -21,7 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import checkpoint, fit, flops, loss_scale, metrics, optimizer, precision, sharding, summary, train_step
+from andrea_jax import (checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, precision, sharding,
+                        summary, train_step)
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
@@ -101,17 +102,6 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
         run_dir.check_compatible(saved, config, workdir)
     # An existing run's config.json is rewritten by `train` once its checkpoints are known to fit.
     return prepared, config
-
-
-def evaluate(eval_step, params, val_tokens: np.ndarray, config: ml_collections.ConfigDict,
-             batch_sharding, num_batches: int) -> float:
-    """Mean loss over the first `num_batches` fixed validation batches."""
-    losses = []
-    for index in range(num_batches):
-        local = batcher.val_batch(val_tokens, index=index, batch_size=config.batch_size, seq_len=config.seq_len,
-                                  process_index=jax.process_index(), process_count=jax.process_count())
-        losses.append(eval_step(params, batcher.to_global(local, batch_sharding)))
-    return float(np.mean(jax.device_get(losses)))
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None = None) -> dict:
@@ -256,7 +246,8 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
                 interval_start, interval_steps = time.perf_counter(), 0
 
             if done % config.eval_every == 0 or done == config.steps:
-                val_loss = evaluate(eval_fn, state["params"], prepared.val.tokens, config, batch_sharding, num_val)
+                val_loss = evaluate.mean_loss(eval_fn, state["params"], prepared.val.tokens,
+                                              num_val * config.batch_size, config, batch_sharding)
                 writer.write(done, {"val_loss": val_loss})
                 last_record = {**last_record, "val_loss": val_loss}
                 progress.write(f"step {done}: val_loss {val_loss:.4f}")

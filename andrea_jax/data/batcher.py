@@ -49,20 +49,28 @@ def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, se
     return _windows(tokens, starts[rows], seq_len)
 
 
+def num_val_windows(num_tokens: int, seq_len: int) -> int:
+    """Consecutive, non-overlapping windows of seq_len + 1 tokens (sharing their edge tokens) in the split."""
+    return max(0, (num_tokens - 1) // seq_len)
+
+
 def num_val_batches(num_tokens: int, batch_size: int, seq_len: int) -> int:
-    """Whole batches of consecutive, non-overlapping windows in the validation split."""
-    return max(0, (num_tokens - 1) // seq_len) // batch_size
+    """Whole batches of validation windows in the split."""
+    return num_val_windows(num_tokens, seq_len) // batch_size
 
 
 def val_batch(tokens: np.ndarray, *, index: int, batch_size: int, seq_len: int,
               process_index: int = 0, process_count: int = 1) -> np.ndarray:
-    """Validation batch `index`: windows index*batch_size ... in order, this process's rows."""
-    available = num_val_batches(len(tokens), batch_size, seq_len)
-    if not 0 <= index < available:
-        raise DataError(f"validation batch {index} does not exist: the split has {available} "
-                        f"batches of {batch_size}x{seq_len}; ask for fewer eval batches")
+    """Validation batch `index`: windows index*batch_size ... in order, this process's rows.
+
+    In the split's last, partial batch the rows past its last window repeat window 0 (padding to drop)."""
+    available = num_val_windows(len(tokens), seq_len)
+    if not 0 <= index * batch_size < available:
+        raise DataError(f"validation batch {index} does not exist: the split has {available} windows "
+                        f"of {seq_len} tokens; ask for fewer eval batches")
     rows = _local_rows(batch_size, process_index, process_count)
-    starts = (index * batch_size + np.arange(batch_size)) * seq_len
+    windows = index * batch_size + np.arange(batch_size)
+    starts = np.where(windows < available, windows, 0) * seq_len
     return _windows(tokens, starts[rows], seq_len)
 
 
