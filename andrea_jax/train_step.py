@@ -79,7 +79,7 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
     """
     num_micro = max(1, int(config.microbatches))  # 0 (automatic) is resolved by `fit.fit`; alone it means 1
     use_dropout = config.model.dropout > 0.0
-    diagnose = bool(config.get("diagnostics", False))
+    diagnose = bool(config.diagnostics)
 
     def grads_of(params, micro_BxLp1, rng, scale):
         """(loss, grads of scale × loss, stream stats); the stats are {} unless diagnosing."""

@@ -206,7 +206,7 @@ def _check_not_empty(splits: Splits, described: str) -> Splits:
 def open_tfds(name: str, data: ml_collections.ConfigDict,
               network_check: Callable[[], bool] = network_available) -> Splits:
     """A registered TFDS dataset `NAME[/CONFIG]`: downloaded and prepared on first use."""
-    data_dir = data.get("tfds_data_dir", "") or None
+    data_dir = data.tfds_data_dir or None
     try:
         builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
     except tfds.core.registered.DatasetNotFoundError:
@@ -218,9 +218,7 @@ def open_tfds(name: str, data: ml_collections.ConfigDict,
 def splits_of_builder(builder, data: ml_collections.ConfigDict,
                       network_check: Callable[[], bool] = network_available) -> Splits:
     """Train/val documents of a TFDS builder (prepared here when it is not yet)."""
-    field = data.get("text_field", "text")
-    train_split = data.get("train_split", "train")
-    val_split = data.get("val_split", "validation")
+    field, train_split, val_split = data.text_field, data.train_split, data.val_split
     _check_field(builder, field)  # from the builder's code: fails before any download
     ensure_prepared(builder, network_check)
     available = set(builder.info.splits.keys())
@@ -231,7 +229,7 @@ def splits_of_builder(builder, data: ml_collections.ConfigDict,
     if val_split and val_split.split("[")[0] in available:
         val, rule = DataSourceDocuments(_open_split(builder, val_split), field), f"split {val_split}"
     else:
-        train, val, rule = hold_out(train, float(data.get("val_fraction", 0.05)))
+        train, val, rule = hold_out(train, float(data.val_fraction))
     identity = {"dataset": builder.info.full_name, "field": field, "train_split": train_split,
                 "val_rule": rule}
     return _check_not_empty(Splits(train, val, identity), builder.info.full_name)
@@ -244,7 +242,7 @@ def open_local(root: str, files: Sequence[str], data: ml_collections.ConfigDict,
     builder = text_builder.prepare_local_dataset(root, files, os.path.join(cache_dir, "tfds", key))
     local = ml_collections.ConfigDict(
         dict(text_field="text", train_split="train", val_split="",
-             val_fraction=float(data.get("val_fraction", 0.05))))
+             val_fraction=float(data.val_fraction)))
     splits = splits_of_builder(builder, local, network_check=lambda: True)
     identity = {**splits.identity, "files": key, "num_files": len(files)}
     return dataclasses.replace(splits, identity=identity)
@@ -252,7 +250,7 @@ def open_local(root: str, files: Sequence[str], data: ml_collections.ConfigDict,
 
 def open_source(data: ml_collections.ConfigDict, cache_dir: str) -> Splits:
     """The documents `data.source` names."""
-    source = str(data.get("source", "stdlib"))
+    source = str(data.source)
     if source == "stdlib":
         splits = open_local(*text_builder.list_stdlib_files(), data, cache_dir)
     elif source.startswith("text:"):
