@@ -86,6 +86,8 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = 
     if config.model.vocab_size == 0:
         config.model.vocab_size = tokenizer.vocab_size
     validate(config)
+    if os.path.exists(os.path.join(workdir, run_dir.CONFIG_FILE)):  # a --config file must build the run's model
+        run_dir.check_compatible(run_dir.load_saved_config(workdir), config, workdir)
     directory = checkpoint.directory_of(workdir)
     ckpt = checkpoint.Checkpointer(workdir, read_only=True) if os.path.isdir(directory) else None
     try:
@@ -98,8 +100,7 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = 
             boxed = jax.eval_shape(partial(model.init_params, config.model), jax.random.key(0))
             shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
         abstract = {"params": checkpoint.abstract_like(sharding.unbox(boxed), shardings)}
-        state, meta = ckpt.restore(abstract, step=step, params_only=True, tokenizer_sha256=tokenizer.sha256,
-                                   model_config=config.model)
+        state, meta = ckpt.restore(abstract, step=step, params_only=True, tokenizer_sha256=tokenizer.sha256)
     finally:
         if ckpt is not None:
             ckpt.close()

@@ -26,6 +26,7 @@ from andrea_jax import (checkpoint, evaluate, fit, flops, loss_scale, metrics, o
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
+from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.leader_first import leader_first
 
 
@@ -77,8 +78,12 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
     read_by_all = _barrier("andrea_config_read")
     if read_by_all is not None:
         read_by_all()  # every process has seen the directory as it was before the leader writes to it
-    if saved is not None:
-        run_dir.check_compatible(saved, config, workdir)  # before any data work
+    config = ml_collections.ConfigDict(config.to_dict())
+    if saved is not None:  # the model's shape is checked here, once, before any data work
+        tokenizer_path = os.path.join(workdir, pipeline.TOKENIZER_FILE)
+        if config.model.vocab_size == 0 and os.path.exists(tokenizer_path):  # a resume keeps its tokenizer
+            config.model.vocab_size = tokenizers.load(tokenizer_path).vocab_size
+        run_dir.check_compatible(saved, config, workdir)
 
     def as_leader():
         lock = run_dir.hold(workdir)  # one run per workdir: before anything is written to it
@@ -89,7 +94,6 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
 
     prepared = leader_first(leader, as_leader, lambda: pipeline.prepare(config, workdir, is_leader=False),
                             "prepare the data")
-    config = ml_collections.ConfigDict(config.to_dict())
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size
     if saved is not None:  # a resumed run keeps computing as it did: its losses stay exact
@@ -98,8 +102,6 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
         if config.microbatches == 0 and saved.microbatches:
             config.microbatches, config.model.remat = saved.microbatches, saved.model.remat
     config.model.dtype = precision.resolve_dtype_name(config.model.dtype, device)  # the record says what ran
-    if saved is not None:
-        run_dir.check_compatible(saved, config, workdir)
     # An existing run's config.json is rewritten by `train` once its checkpoints are known to fit.
     return prepared, config
 
@@ -141,7 +143,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
         writer = None
         try:
-            restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256, model_config=config.model)
+            restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256)
             carried_losses: list[float] = []
             if restored is None:
                 # Built directly sharded: the full model never sits on one device.

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from andrea_jax import checkpoint, evaluate, metrics, sampling, train_loop, train_step
+from andrea_jax.config import ConfigError
 from tests.test_checkpoint import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,6 +131,10 @@ def test_a_run_without_checkpoints_or_config(trained, tmp_path):
         evaluate.run_config(str(workdir))
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint for step 3 .*available steps: 5, 10"):
         evaluate.restore(trained, evaluate.run_config(trained), step=3)
+    other_shape = evaluate.run_config(trained)
+    other_shape.model.d_model = 32
+    with pytest.raises(ConfigError, match="holds a run with model.d_model=64, not 32; pass --config.model.d_model=64"):
+        evaluate.restore(trained, other_shape)
 
 
 def test_trace_prints_a_row_per_depth_and_plot_draws_the_run(trained):
