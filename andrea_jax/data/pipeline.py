@@ -131,7 +131,7 @@ def _check_sizes(config: ml_collections.ConfigDict, train: TokenSplit, val: Toke
 def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
     cache_dir = cache_dir_of(config.data)
     os.makedirs(workdir, exist_ok=True)
-    splits = sources.open_source(config.data, cache_dir)
+    splits = sources.open_source(config.data)
     tokenizer = tokenizer_for_run(config, workdir, splits.train)
     directory = token_cache.cache_directory(cache_dir, splits.identity, tokenizer.sha256)
     train = token_cache.load_or_build(splits.train, tokenizer, directory, "train", splits.identity)

@@ -1,9 +1,9 @@
-"""`data.source` -> train and validation documents, read through TFDS.
+"""`data.source` -> train and validation documents.
 
 `tfds:NAME[/CONFIG]` opens a registered dataset (downloaded and prepared on
-first use), `text:PATH_OR_GLOB` and `stdlib` go through the project's own
-local-text builder. Validation is the dataset's own split when it has one,
-else every k-th document, else (few documents) the last fraction of the text.
+first use); `text:PATH_OR_GLOB` and `stdlib` read local files (`local_files.py`).
+Validation is the dataset's own split when it has one, else every k-th
+document, else (few documents) the last fraction of the text.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable, Protocol, Sequence
 import ml_collections
 import tensorflow_datasets as tfds
 
-from andrea_jax.data import DataError, text_builder
+from andrea_jax.data import DataError, local_files
 
 # Below this many held-out documents the split is by text, not by document.
 MIN_VAL_DOCUMENTS = 10
@@ -37,8 +37,8 @@ class Documents(Protocol):
 
 
 def _as_text(value) -> str:
-    # TFDS Text features come back as bytes; escapes keep undecodable bytes exact.
-    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+    # TFDS Text features come back as bytes.
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,26 +235,21 @@ def splits_of_builder(builder, data: ml_collections.ConfigDict,
     return _check_not_empty(Splits(train, val, identity), builder.info.full_name)
 
 
-def open_local(root: str, files: Sequence[str], data: ml_collections.ConfigDict,
-               cache_dir: str) -> Splits:
-    """Local files through the local-text builder, one dataset per file set."""
-    key = text_builder.fingerprint(root, files)
-    builder = text_builder.prepare_local_dataset(root, files, os.path.join(cache_dir, "tfds", key))
-    local = ml_collections.ConfigDict(
-        dict(text_field="text", train_split="train", val_split="",
-             val_fraction=float(data.val_fraction)))
-    splits = splits_of_builder(builder, local, network_check=lambda: True)
-    identity = {**splits.identity, "files": key, "num_files": len(files)}
-    return dataclasses.replace(splits, identity=identity)
+def open_local(root: str, files: Sequence[str], data: ml_collections.ConfigDict) -> Splits:
+    """Local files, one document each: every k-th held out, or (few files) the text's last fraction."""
+    documents = DataSourceDocuments(local_files.FileTexts(files), "text")
+    train, val, rule = hold_out(documents, float(data.val_fraction))
+    identity = {"files": local_files.fingerprint(root, files), "num_files": len(files), "val_rule": rule}
+    return _check_not_empty(Splits(train, val, identity), f"{len(files)} files under {root}")
 
 
-def open_source(data: ml_collections.ConfigDict, cache_dir: str) -> Splits:
+def open_source(data: ml_collections.ConfigDict) -> Splits:
     """The documents `data.source` names."""
     source = str(data.source)
     if source == "stdlib":
-        splits = open_local(*text_builder.list_stdlib_files(), data, cache_dir)
+        splits = open_local(*local_files.list_stdlib_files(), data)
     elif source.startswith("text:"):
-        splits = open_local(*text_builder.list_text_files(source[len("text:"):]), data, cache_dir)
+        splits = open_local(*local_files.list_text_files(source[len("text:"):]), data)
     elif source.startswith("tfds:"):
         splits = open_tfds(source[len("tfds:"):], data)
     else:
