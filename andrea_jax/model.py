@@ -8,6 +8,12 @@ With decode=True the model reads and extends a "cache" collection: each
 attention layer's keys and values in a fixed [B, max_len, H, K] buffer, and one
 index of the tokens already cached, which offsets the new tokens' positions.
 
+Shape suffixes name each axis of an array: B batch, L length (the queries), S
+key/value length, D model width, H heads, K head width, F MLP width, V
+vocabulary (padded), M micro-batches, N depths of the stream (n_layer + 1);
+Lp1 is L + 1, Lm1 L - 1. (In `k_BxSxHxK` the lowercase k is the keys, the
+suffix's K their head width.)
+
 Every parameter carries logical axis names; a rule table in the config maps
 them onto the device mesh. Parameters are float32; matmuls run in the compute
 dtype (`precision.py`; "auto" = the machine's fastest) and accumulate in float32,
@@ -129,8 +135,8 @@ def split_qkv(qkv_BxLx3xHxK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array
 
     Autodiff of the three slices pads each cotangent to the full shape and adds
     the pads; XLA:CPU fused that, with the transposes from attention's products,
-    into one loop that took about a tenth of the shakespeare_char step. A stack
-    writes each element once (bench/RESULTS.md). Reverse mode only.
+    into one slow loop. A stack writes each element once (measured in
+    bench/RESULTS.md). Reverse mode only.
     """
     return qkv_BxLx3xHxK[:, :, 0], qkv_BxLx3xHxK[:, :, 1], qkv_BxLx3xHxK[:, :, 2]
 
