@@ -112,7 +112,7 @@ def test_prefetcher_raises_the_error_of_make_batch_and_closes():
     with pytest.raises(DataError, match="bad step"):
         next(prefetcher)
     prefetcher.close()
-    assert not any(t.name == "batch-prefetch" and t.is_alive() for t in threading.enumerate())
+    assert not any(t.name.startswith("batch-prefetch") and t.is_alive() for t in threading.enumerate())
 
 
 def test_prefetcher_close_stops_a_full_queue():
