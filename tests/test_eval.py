@@ -12,9 +12,10 @@ import ml_collections
 import numpy as np
 import pytest
 
-from andrea_jax import checkpoint, evaluate, metrics, sampling, train_loop, train_step
+from andrea_jax import checkpoint, evaluate, metrics, train_loop, train_step
 from andrea_jax.config import ConfigError
 from tests.test_checkpoint import tiny_config
+from tests.test_sampling import greedy_without_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,7 +92,7 @@ def test_greedy_sample_follows_the_model(trained):
     text = evaluate.continue_text(restored, "the ", max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0,
                                   seed=0)
     tokenizer = restored.tokenizer
-    reference = sampling.greedy_without_cache(jax.device_get(restored.params), restored.config.model,
+    reference = greedy_without_cache(jax.device_get(restored.params), restored.config.model,
                                               tokenizer.encode("the "), 12)
     if tokenizer.eot_id in reference:
         reference = reference[:reference.index(tokenizer.eot_id)]
