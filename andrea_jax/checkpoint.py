@@ -17,14 +17,13 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
-import numpy as np
 from jax.experimental import multihost_utils
 
 from andrea_jax import atomic
-from andrea_jax.workdir import PROJECT, SHAPE_KEYS
+from andrea_jax.workdir import PROJECT
 
 FORMAT_VERSION = 1
 UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir, next to checkpoints/
@@ -48,8 +47,7 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
                         tree, shardings)
 
 
-def check_meta(meta: dict, where: str, tokenizer_sha256: str | None = None,
-               model_config: ml_collections.ConfigDict | None = None) -> None:
+def check_meta(meta: dict, where: str, tokenizer_sha256: str | None = None) -> None:
     """Stops on a checkpoint this run cannot continue from, before any array is read."""
     if meta.get("project") != PROJECT:
         raise CheckpointError(f"{where} was not written by {PROJECT}; use a new --workdir")
@@ -61,13 +59,6 @@ def check_meta(meta: dict, where: str, tokenizer_sha256: str | None = None,
         raise CheckpointError(f"{where} was trained with tokenizer {saved_sha[:12]}, but the workdir's "
                               f"tokenizer.json is {tokenizer_sha256[:12]}; put the run's own tokenizer.json "
                               f"back or use a new --workdir")
-    saved_model = (meta.get("config") or {}).get("model") or {}
-    if model_config is not None:
-        for key in SHAPE_KEYS:
-            if key in saved_model and saved_model[key] != model_config.get(key):
-                raise CheckpointError(f"{where} holds a model with model.{key}={saved_model[key]}, not "
-                                      f"{model_config.get(key)}; pass --config.model.{key}={saved_model[key]} "
-                                      f"or use a new --workdir")
 
 
 class Checkpointer:
@@ -131,15 +122,15 @@ class Checkpointer:
         return {item: restored[item] for item in names}, meta
 
     def restore(self, abstract_state: dict, step: int | None = None, params_only: bool = False,
-                tokenizer_sha256: str | None = None,
-                model_config: ml_collections.ConfigDict | None = None) -> tuple[dict, dict] | None:
+                tokenizer_sha256: str | None = None) -> tuple[dict, dict] | None:
         """(state, meta) of `step`, or of the newest readable step; None when there is none.
 
         abstract_state: {"params": ..., "opt_state": ..., ["loss_scale": ...]} of ShapeDtypeStructs with
-        shardings, each an item of its own ("params" alone with params_only). A checkpoint from another project, tokenizer or
-        model shape raises CheckpointError; an unreadable one is skipped for the one before.
+        shardings, each an item of its own ("params" alone with params_only). A checkpoint from another project or
+        tokenizer raises CheckpointError (the model's shape is the workdir's config.json, checked by
+        `workdir.check_compatible`); an unreadable one is skipped for the one before.
         """
-        expect = dict(tokenizer_sha256=tokenizer_sha256, model_config=model_config)
+        expect = dict(tokenizer_sha256=tokenizer_sha256)
         steps = self.steps()
         if step is not None:
             if step not in steps:

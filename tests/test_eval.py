@@ -12,9 +12,11 @@ import ml_collections
 import numpy as np
 import pytest
 
-from andrea_jax import checkpoint, evaluate, metrics, sampling, train_loop, train_step
+from andrea_jax import checkpoint, evaluate, metrics, train_loop, train_step
+from andrea_jax.config import ConfigError
 from andrea_jax.data.tokenizer import CharTokenizer
 from tests.test_checkpoint import tiny_config
+from tests.test_sampling import greedy_without_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,7 +93,7 @@ def test_greedy_sample_follows_the_model(trained):
     text = evaluate.continue_text(restored, "the ", max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0,
                                   seed=0)
     tokenizer = restored.tokenizer
-    reference = sampling.greedy_without_cache(jax.device_get(restored.params), restored.config.model,
+    reference = greedy_without_cache(jax.device_get(restored.params), restored.config.model,
                                               tokenizer.encode("the "), 12)
     if tokenizer.eot_id in reference:
         reference = reference[:reference.index(tokenizer.eot_id)]
@@ -164,6 +166,10 @@ def test_a_run_without_checkpoints_or_config(trained, tmp_path):
         evaluate.run_config(str(workdir))
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint for step 3 .*available steps: 5, 10"):
         evaluate.restore(trained, evaluate.run_config(trained), step=3)
+    other_shape = evaluate.run_config(trained)
+    other_shape.model.d_model = 32
+    with pytest.raises(ConfigError, match="holds a run with model.d_model=64, not 32; pass --config.model.d_model=64"):
+        evaluate.restore(trained, other_shape)
 
 
 def test_trace_prints_a_row_per_depth_and_plot_draws_the_run(trained):

@@ -149,7 +149,7 @@ def test_imported_checkpoint_restores_as_a_training_state(run, exported, tmp_pat
     saved = checkpoint.Checkpointer(workdir, read_only=True)
     try:
         state, meta = saved.restore(checkpoint.abstract_like(unbox(boxed), shardings),
-                                    tokenizer_sha256=run["tokenizer"].sha256, model_config=config.model)
+                                    tokenizer_sha256=run["tokenizer"].sha256)
     finally:
         saved.close()
     assert meta["step"] == 0 and meta["config"]["model"]["d_model"] == 64

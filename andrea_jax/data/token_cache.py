@@ -31,7 +31,7 @@ import tqdm
 from andrea_jax import atomic
 from andrea_jax.data import DataError
 from andrea_jax.data.sources import Documents
-from andrea_jax.data.tokenizer import Tokenizer, utf8_bytes
+from andrea_jax.data.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.uint16
@@ -118,7 +118,7 @@ def _encode_into(out, documents: Documents, tokenizer: Tokenizer, split: str,
             ids = _encode_with_separators(tokenizer, texts)
             out.write(ids.tobytes())
             num_tokens += ids.size
-            num_bytes += sum(len(utf8_bytes(t)) for t in texts)
+            num_bytes += sum(len(t.encode("utf-8")) for t in texts)
             # About _TARGET_BATCH_BYTES of text per call, whatever the document size.
             batch_size = int(np.clip(_TARGET_BATCH_BYTES * position / max(num_bytes, 1), 16, 65536))
             seconds = max(time.perf_counter() - started, 1e-9)

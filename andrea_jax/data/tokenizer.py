@@ -1,10 +1,7 @@
 """Tokenizers: byte-level BPE (the ANDREA 8449), bytes, and characters.
 
 All three share one small interface and save to one `tokenizer.json`; nanoGPT's
-character vocabulary (`meta.pkl`) reads as a char tokenizer. Text is a
-Python `str` that may carry undecodable file bytes as surrogate escapes
-(`errors="surrogateescape"`); every tokenizer encodes those losslessly, and
-`decode(ids, errors="surrogateescape")` gives the exact string back.
+character vocabulary (`meta.pkl`) reads as a char tokenizer.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ import hashlib
 import json
 import os
 import pickletools
-import re
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -26,16 +22,7 @@ from andrea_jax.data import DataError
 END_OF_TEXT = "<|endoftext|>"
 BPE_MERGES = 8192  # 256 byte tokens + 8192 merges + end-of-text = 8449
 _OWN_FORMAT_KEY = "andrea_jax_tokenizer"  # marks the byte and char JSON files
-_SURROGATE_RUN = re.compile("[\ud800-\udfff]+")
 _REPLACEMENT = "\ufffd".encode("utf-8")
-
-
-def utf8_bytes(text: str) -> bytes:
-    """The bytes a text came from: surrogate escapes turn back into raw bytes."""
-    try:
-        return text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:  # surrogates that are not escapes of bytes
-        return text.encode("utf-8", "surrogatepass")
 
 
 @functools.cache
@@ -73,11 +60,9 @@ class Tokenizer(abc.ABC):
         """Token ids of each text as an int32 array (the fast path of the cache)."""
 
     @abc.abstractmethod
-    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
-        """Text of the ids. Never raises: ids outside the vocabulary decode as U+FFFD.
-
-        errors="replace" gives printable text; "surrogateescape" is lossless.
-        """
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the ids. Never raises: ids outside the vocabulary (and bytes that end mid-character)
+        decode as U+FFFD."""
 
     def encode(self, text: str) -> list[int]:
         return self.encode_arrays([text])[0].tolist()
@@ -95,10 +80,9 @@ class Tokenizer(abc.ABC):
         atomic.write(path, self.to_json())
 
 
-def _decode_table(table: Sequence[bytes], ids: Iterable[int], errors: str) -> str:
+def _decode_table(table: Sequence[bytes], ids: Iterable[int]) -> str:
     size = len(table)
-    raw = b"".join(table[i] if 0 <= i < size else _REPLACEMENT for i in map(int, ids))
-    return raw.decode("utf-8", errors)
+    return b"".join(table[i] if 0 <= i < size else _REPLACEMENT for i in map(int, ids)).decode("utf-8", "replace")
 
 
 class ByteTokenizer(Tokenizer):
@@ -115,10 +99,10 @@ class ByteTokenizer(Tokenizer):
         return json.dumps({_OWN_FORMAT_KEY: "byte", "version": 1, "end_of_text": END_OF_TEXT})
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.frombuffer(utf8_bytes(t), np.uint8).astype(np.int32) for t in texts]
+        return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) for t in texts]
 
-    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
-        return _decode_table(self._table, ids, errors)
+    def decode(self, ids: Iterable[int]) -> str:
+        return _decode_table(self._table, ids)
 
 
 class CharTokenizer(Tokenizer):
@@ -140,7 +124,7 @@ class CharTokenizer(Tokenizer):
         return [self._encode_one(t) for t in texts]
 
     def _encode_one(self, text: str) -> np.ndarray:
-        code_points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+        code_points = np.frombuffer(text.encode("utf-32-le"), np.uint32)
         ids = np.searchsorted(self._code_points, code_points)
         known = ids < len(self.chars)
         known[known] = self._code_points[ids[known]] == code_points[known]
@@ -151,12 +135,10 @@ class CharTokenizer(Tokenizer):
                 f"built from the training text; use data.tokenizer='byte' or 'bpe'")
         return ids.astype(np.int32)
 
-    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         size = len(self.chars)
-        text = "".join(self.chars[i] if 0 <= i < size else
+        return "".join(self.chars[i] if 0 <= i < size else
                        END_OF_TEXT if i == self.eot_id else "\ufffd" for i in map(int, ids))
-        return text if errors == "surrogateescape" else _SURROGATE_RUN.sub(
-            lambda run: "\ufffd" * len(run.group()), text)
 
 
 class BpeTokenizer(Tokenizer):
@@ -175,15 +157,11 @@ class BpeTokenizer(Tokenizer):
         char_to_byte = {c: b for b, c in byte_to_char().items()}
         special = {t.content for t in hf_tokenizer.get_added_tokens_decoder().values()}
         self._table = [_REPLACEMENT] * self.vocab_size
-        self._byte_ids = np.zeros(256, np.int32)
         for token, token_id in vocab.items():
             if token in special:
                 self._table[token_id] = token.encode("utf-8")
             else:
                 self._table[token_id] = bytes(char_to_byte[c] for c in token)
-        for token, token_id in vocab.items():
-            if len(token) == 1 and token not in special:
-                self._byte_ids[char_to_byte[token]] = token_id
 
     @functools.cached_property
     def _json(self) -> str:
@@ -197,30 +175,11 @@ class BpeTokenizer(Tokenizer):
         return len(json.loads(self._json)["model"]["merges"])
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
-        texts = list(texts)
-        with_escapes = [i for i, t in enumerate(texts) if _SURROGATE_RUN.search(t)]
-        clean = list(texts)
-        for i in with_escapes:
-            clean[i] = ""
         encode = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)
-        arrays = [np.asarray(e.ids, np.int32) for e in encode(clean, add_special_tokens=False)]
-        for i in with_escapes:
-            arrays[i] = self._encode_with_escapes(texts[i])
-        return arrays
+        return [np.asarray(e.ids, np.int32) for e in encode(list(texts), add_special_tokens=False)]
 
-    def _encode_with_escapes(self, text: str) -> np.ndarray:
-        # HF tokenizers only take valid Unicode: encode the valid runs as usual and
-        # each escaped byte as its byte token, which keeps the exact bytes.
-        pieces, position = [], 0
-        for run in _SURROGATE_RUN.finditer(text):
-            pieces.append(self._hf.encode(text[position:run.start()], add_special_tokens=False).ids)
-            pieces.append(self._byte_ids[np.frombuffer(utf8_bytes(run.group()), np.uint8)])
-            position = run.end()
-        pieces.append(self._hf.encode(text[position:], add_special_tokens=False).ids)
-        return np.concatenate([np.asarray(p, np.int32) for p in pieces])
-
-    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
-        return _decode_table(self._table, ids, errors)
+    def decode(self, ids: Iterable[int]) -> str:
+        return _decode_table(self._table, ids)
 
 
 def train_bpe(texts: Iterable[str], num_merges: int = BPE_MERGES) -> BpeTokenizer:
@@ -237,8 +196,7 @@ def train_bpe(texts: Iterable[str], num_merges: int = BPE_MERGES) -> BpeTokenize
     trainer = trainers.BpeTrainer(
         vocab_size=256 + num_merges, show_progress=False, special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    # Escaped bytes cannot reach the trainer; they stay byte tokens when encoding.
-    hf.train_from_iterator((_SURROGATE_RUN.sub("", t) for t in texts), trainer)
+    hf.train_from_iterator(texts, trainer)
     hf.add_special_tokens([END_OF_TEXT])
     return BpeTokenizer(hf)
 
