@@ -9,7 +9,7 @@ is the run's own config.json; --config FILE replaces it, --config.x=y changes a 
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from andrea_jax import cli  # the multi-process flags, shared with train.py

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
-import os
 import re
 import socket
 import sys
