@@ -122,7 +122,7 @@ def test_a_step_past_keep_leaves_in_one_rename_and_its_removal_can_be_cut_short(
     ckpt.close()
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
     ckpt = checkpoint.Checkpointer(str(tmp_path), read_only=True)
-    restored, meta = ckpt.restore(abstract, tokenizer_sha256=TOKENIZER_SHA, model_config=model_config.model)
+    restored, meta = ckpt.restore(abstract, tokenizer_sha256=TOKENIZER_SHA)
     ckpt.close()
     assert meta["step"] == 6
     assert_bit_equal(restored["opt_state"], state["opt_state"])
