@@ -20,7 +20,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from andrea_jax import cli, fit, flops, precision, sharding, targets
+from andrea_jax import attention, cli, fit, flops, precision, sharding, targets
 from andrea_jax.config import ConfigError, validate
 
 GIB = 2 ** 30
@@ -39,6 +39,7 @@ def compiled_for(config: ml_collections.ConfigDict, target: targets.Target, repo
                           "--config.model.vocab_size with the tokenizer's size (8449 for the ANDREA BPE)")
     config = ml_collections.ConfigDict(config.to_dict())
     config.model.dtype = precision.resolve_dtype_name(config.model.dtype, target.devices[0])
+    config.model.attention = attention.for_device(config.model, target.devices[0])
     mesh = sharding.make_mesh(config, target.devices)
     axis_rules = sharding.rules(config)
     rng = jax.random.key(config.seed)  # made on this host: the target's devices cannot run it
@@ -71,6 +72,7 @@ def describe(steps: fit.Steps, target: targets.Target) -> str:
 class StepCost:
     model_flops: float  # a step, nanoGPT/PaLM convention
     xla_flops: float | None  # a step, all devices; None where XLA gives no cost analysis (GPUs)
+    xla_bytes: float | None  # HBM bytes a step moves on one device, by XLA's count
     roofline_seconds: float | None  # max(FLOPs / peak, bytes / bandwidth) of one device, from XLA's counts
     mfu_bound: float | None  # model_flops / (roofline_seconds × devices × the chip's peak)
 
@@ -89,16 +91,17 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
     model_flops = flops.flops_per_token(config.model, config.seq_len) * config.batch_size * config.seq_len
     cost = steps.train.cost_analysis()
     if not cost or "flops" not in cost:
-        return StepCost(model_flops, None, None, None)
+        return StepCost(model_flops, None, None, None, None)
     if micro > 1:
         one = ml_collections.ConfigDict(config.to_dict())
         one.batch_size, one.microbatches = config.batch_size // micro, 1
         cost = compiled_for(one, target).train.cost_analysis()
+    xla_flops, xla_bytes = cost["flops"] * devices * micro, cost["bytes accessed"] * micro
     peak = flops.device_peak_flops(target.devices[0], config.model.dtype)
     if not peak or not target.memory_bytes_per_second:
-        return StepCost(model_flops, cost["flops"] * devices * micro, None, None)
+        return StepCost(model_flops, xla_flops, xla_bytes, None, None)
     seconds = micro * max(cost["flops"] / peak, cost["bytes accessed"] / target.memory_bytes_per_second)
-    return StepCost(model_flops, cost["flops"] * devices * micro, seconds, model_flops / (seconds * devices * peak))
+    return StepCost(model_flops, xla_flops, xla_bytes, seconds, model_flops / (seconds * devices * peak))
 
 
 def cost_text(cost: StepCost, tokens: int) -> str:
@@ -107,7 +110,8 @@ def cost_text(cost: StepCost, tokens: int) -> str:
                 f"analysis for this platform")
     text = (f"FLOPs a step: XLA counts {cost.xla_flops / 1e12:.2f} T ({cost.xla_flops / tokens / 1e6:.0f} M a "
             f"token), the model's formula {cost.model_flops / 1e12:.2f} T "
-            f"({cost.model_flops / tokens / 1e6:.1f} M a token, nanoGPT/PaLM convention)")
+            f"({cost.model_flops / tokens / 1e6:.1f} M a token, nanoGPT/PaLM convention); HBM traffic "
+            f"{cost.xla_bytes / 1e9:.1f} GB a step on one device")
     if cost.mfu_bound is not None:
         text += (f"\nroofline from XLA's FLOP and byte counts: {cost.roofline_seconds * 1e3:.0f} ms a step, so MFU "
                  f"can be at most {100 * cost.mfu_bound:.0f}% (a bound from the compiler's counts, not a "

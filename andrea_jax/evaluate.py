@@ -53,6 +53,9 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     if saved is None:
         raise EvalError(f"{workdir} holds no {run_dir.CONFIG_FILE}; pass the directory train.py wrote, "
                         f"or --config with the run's config file")
+    if saved.model.attention == "flash" and jax.devices()[0].platform != "tpu":
+        # The kernel is the training machine's choice, not part of the model: pick this machine's.
+        saved.model.attention = "auto"
     return saved
 
 

@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from andrea_jax import attention
 from andrea_jax.config import padded_vocab_size
 from andrea_jax.precision import compute_dtype, matmul
 
@@ -162,7 +163,7 @@ class Attention(nn.Module):
     dtype: Any
     dropout: float
     residual_std: float
-    implementation: str  # "xla" or "dot_product"
+    implementation: str  # a `model.attention` value (attention.py)
     max_len: int = 0  # KV-cache length, used only in decode mode
 
     @nn.compact
@@ -203,7 +204,11 @@ class Attention(nn.Module):
             k_BxSxHxK, v_BxSxHxK = cached_key.value, cached_value.value
             causal_LxS = jnp.arange(self.max_len)[None, :] <= cache_index + jnp.arange(length)[:, None]
 
-        if self.implementation == "dot_product" and cache_index is None and (deterministic or self.dropout == 0.0):
+        implementation = attention.resolve_name(self.implementation, head_dim)
+        fused = cache_index is None and (deterministic or self.dropout == 0.0)
+        if fused and implementation == "flash":
+            out_BxLxHxK = attention.flash_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)
+        elif fused and implementation == "dot_product":
             # Reaches cuDNN flash attention on GPU; plain XLA elsewhere.
             out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True)
         else:

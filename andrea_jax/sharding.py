@@ -63,7 +63,7 @@ def rules(config: ml_collections.ConfigDict) -> tuple:
                  for name, axes in config.logical_axis_rules)
 
 
-def _fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
     """Drop mesh axes from dimensions they do not divide (those are replicated)."""
     fitted = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
@@ -80,7 +80,7 @@ def unbox(boxed_tree: Any) -> Any:
     """Strip the axis-name boxes without adding sharding constraints.
 
     (nn.meta.unbox constrains under active rules, which fails outside jit and
-    would bypass `_fit_spec` inside it; out_shardings place the values instead.)
+    would bypass `fit_spec` inside it; out_shardings place the values instead.)
     """
     return jax.tree.map(lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x, boxed_tree,
                         is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
@@ -91,7 +91,7 @@ def logical_shardings(boxed_tree: Any, mesh: Mesh, axis_rules: tuple) -> Any:
     specs = nn.get_partition_spec(boxed_tree)
     unboxed = unbox(boxed_tree)
     mesh_specs = nn.logical_to_mesh(specs, axis_rules)
-    return jax.tree.map(lambda spec, leaf: NamedSharding(mesh, _fit_spec(spec, leaf.shape, mesh)),
+    return jax.tree.map(lambda spec, leaf: NamedSharding(mesh, fit_spec(spec, leaf.shape, mesh)),
                         mesh_specs, unboxed, is_leaf=lambda x: isinstance(x, P))
 
 

@@ -21,8 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import (checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, precision, sharding,
-                        summary, train_step)
+from andrea_jax import (attention, checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, precision,
+                        sharding, summary, train_step)
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
@@ -102,6 +102,7 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
         if config.microbatches == 0 and saved.microbatches:
             config.microbatches, config.model.remat = saved.microbatches, saved.model.remat
     config.model.dtype = precision.resolve_dtype_name(config.model.dtype, device)  # the record says what ran
+    config.model.attention = attention.for_device(config.model, device)
     # An existing run's config.json is rewritten by `train` once its checkpoints are known to fit.
     return prepared, config
 

@@ -6,6 +6,7 @@ JAX's CUDA plugin (requirements-gpu-compile.txt); without them they skip.
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -45,15 +46,17 @@ def assert_fits_with_the_fewest(steps, target, lines):
 @pytest.mark.parametrize("topology", ["v5e-1", "v6e-1"])
 def test_andrea120m_as_typed_fits_one_colab_tpu_by_itself(topology):
     steps, target, lines = fitted(topology)
-    assert steps.config.model.dtype == "bfloat16"
-    assert steps.config.microbatches > 1  # one micro-batch of 32 × 1024 fits neither
+    assert steps.config.model.dtype == "bfloat16" and steps.config.model.attention == "flash"
+    # With the flash kernel (libtpu 0.0.42): v5e-1 needs 2 micro-batches of 16 × 1024, v6e-1 one.
+    assert steps.config.microbatches == {"v5e-1": 2, "v6e-1": 1}[topology]
     assert_fits_with_the_fewest(steps, target, lines)
 
 
 @needs_libtpu
 def test_one_microbatch_forced_on_v5e_1_is_refused_with_the_fix():
+    # XLA's own attention keeps [B, H, L, L] scores: its compiler refuses the step outright.
     with pytest.raises(ConfigError, match=r"does not fit .*XLA refused it.*set a larger --config.microbatches"):
-        fitted("v5e-1", microbatches=1)
+        fitted("v5e-1", microbatches=1, **{"model.attention": "dot_product"})
 
 
 @needs_libtpu
@@ -93,3 +96,18 @@ def test_andrea120m_as_typed_fits_each_colab_gpu_by_itself(gpu):
                                               "a100_40gb": 42_331_013_120, "a100_80gb": 85_100_068_864,
                                               "h100": 84_942_979_072}[gpu])
     assert_fits_with_the_fewest(steps, target, lines)
+
+
+@needs_libtpu
+def test_the_flash_kernel_compiles_per_shard_on_a_data_fsdp_tensor_mesh_of_tpus():
+    """Every kernel call (forward, and both backward ones) sees 1/4 of the rows and 1/2 of the heads."""
+    config = andrea120m.get_config()
+    config.update_from_flattened_dict({"model.n_layer": 1, "model.d_model": 128, "model.n_head": 4,
+                                       "model.vocab_size": 256, "batch_size": 8, "seq_len": 128,
+                                       "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    steps = compile_check.compiled_for(config, targets.named("v5e-8"), report=lambda line: None)
+    assert steps.config.model.attention == "flash"
+    calls = [line for line in steps.train.as_text().splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert len(calls) == 3
+    for call in calls:
+        assert set(re.findall(r"bf16\[[\d,]+\]", call.split("custom-call(")[0])) == {"bf16[2,2,128,32]"}

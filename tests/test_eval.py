@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from andrea_jax import checkpoint, evaluate, metrics, train_loop, train_step
+from andrea_jax import workdir as run_dir
 from andrea_jax.config import ConfigError
 from andrea_jax.data.tokenizer import CharTokenizer
 from tests.test_checkpoint import tiny_config
@@ -170,6 +171,13 @@ def test_a_run_without_checkpoints_or_config(trained, tmp_path):
     other_shape.model.d_model = 32
     with pytest.raises(ConfigError, match="holds a run with model.d_model=64, not 32; pass --config.model.d_model=64"):
         evaluate.restore(trained, other_shape)
+
+
+def test_a_run_recorded_with_the_tpu_kernel_is_evaluated_with_this_machines_attention(tmp_path):
+    config = tiny_config(tmp_path)
+    config.model.attention = "flash"
+    run_dir.save_config(str(tmp_path / "run"), config)
+    assert evaluate.run_config(str(tmp_path / "run")).model.attention == "auto"  # on a CPU: dot_product
 
 
 def test_trace_prints_a_row_per_depth_and_plot_draws_the_run(trained):

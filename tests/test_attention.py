@@ -1,0 +1,107 @@
+"""The TPU flash kernel against the einsum path, run by Pallas's TPU interpreter on the CPU; the choice of kernel."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from andrea_jax import attention, sharding
+from andrea_jax.config import ConfigError, base_config, validate
+from tests.test_model import forward, init, small_model
+
+
+class FakeDevice:
+    def __init__(self, platform):
+        self.platform = platform
+
+
+def einsum_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK):
+    """Causal attention in float32 from the same (bfloat16) inputs."""
+    q, k, v = (x.astype(jnp.float32) for x in (q_BxLxHxK, k_BxLxHxK, v_BxLxHxK))
+    length = q.shape[1]
+    logits_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(q.shape[-1])
+    logits_BxHxLxL = jnp.where(jnp.tril(jnp.ones((length, length), bool)), logits_BxHxLxL, -jnp.inf)
+    return jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(logits_BxHxLxL, axis=-1), v)
+
+
+def assert_close_in_bfloat16(ours, reference, relative=2e-2):
+    """Within a few bfloat16 roundings of the reference's scale; a wrong mask, scale or padding is O(1)."""
+    ours, reference = np.asarray(ours, np.float32), np.asarray(reference, np.float32)
+    assert ours.shape == reference.shape
+    assert np.abs(ours - reference).max() <= relative * np.abs(reference).max()
+
+
+def test_flash_forward_and_gradients_equal_the_einsum_path_at_odd_shapes():
+    """3 rows, 3 heads of 32, length 200 padded to 256: two blocks of 128 each way, the kernels that
+    context 1024 runs in blocks of 512. (The mesh test below takes the one-block path.)"""
+    q, k, v, cotangent = (jax.random.normal(key, (3, 200, 3, 32), jnp.bfloat16)
+                          for key in jax.random.split(jax.random.key(0), 4))
+    with pltpu.force_tpu_interpret_mode():
+        out, backward = jax.vjp(lambda q, k, v: attention.flash_attention(q, k, v, block=128), q, k, v)
+        grads = backward(cotangent)
+    expected, expected_backward = jax.vjp(einsum_attention, q, k, v)
+    assert out.dtype == jnp.bfloat16
+    assert_close_in_bfloat16(out, expected)
+    for grad, expected_grad in zip(grads, expected_backward(cotangent.astype(jnp.float32))):
+        assert_close_in_bfloat16(grad, expected_grad)
+
+
+def loss_and_grads(m, params, ids_BxL):
+    def loss(p):
+        logits = forward(m, p, ids_BxL[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids_BxL[:, 1:]).mean()
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_flash_model_on_a_data_fsdp_tensor_mesh_equals_the_einsum_model_on_one_device():
+    """Each device runs the kernel on its own rows and heads; the loss and every gradient agree.
+
+    Length 12, padded to one block of 128. Pallas's plain interpreter (`True`): the TPU
+    interpreter, which simulates each device's memories, stalled on this 8-device backward.
+    """
+    m_xla = small_model(n_layer=1, dtype="bfloat16", attention="xla")
+    m_flash = small_model(n_layer=1, dtype="bfloat16", attention="flash")
+    params = init(m_xla, scale=4.0)
+    ids = np.random.default_rng(0).integers(0, m_xla.vocab_size, (4, 13))
+    expected_loss, expected_grads = loss_and_grads(m_xla, params, ids)
+
+    config = base_config()
+    config.batch_size = 4
+    config.mesh.update(dict(data=2, fsdp=2, tensor=2))
+    mesh = sharding.make_mesh(config, jax.devices()[:8])
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.rules(config)), pltpu.force_tpu_interpret_mode(True):
+        lowered = jax.jit(lambda p, x: forward(m_flash, p, x)).lower(params, ids).as_text()
+        loss, grads = loss_and_grads(m_flash, params, jax.device_put(ids, sharding.batch_sharding(mesh)))
+    # Inside the shard_map each device holds 1 of the 4 rows and 2 of the 4 heads (of 16).
+    assert "shard_map" in lowered or "sdy.manual_computation" in lowered
+    assert "tensor<1x2x128x16xbf16>" in lowered
+    np.testing.assert_allclose(float(loss), float(expected_loss), rtol=2e-2)
+    jax.tree.map(assert_close_in_bfloat16, grads, expected_grads)
+
+
+@pytest.mark.parametrize("name, platform, width, expected", [
+    ("auto", "tpu", 64, "flash"),
+    ("auto", "tpu", 192, "dot_product"),  # wider than the kernel takes
+    ("auto", "gpu", 64, "dot_product"),
+    ("auto", "cpu", 64, "dot_product"),
+    ("xla", "tpu", 64, "xla"),
+    ("flash", "tpu", 128, "flash"),
+])
+def test_auto_picks_flash_on_tpus_only_and_explicit_names_stay(name, platform, width, expected):
+    assert attention.resolve_name(name, width, FakeDevice(platform)) == expected
+
+
+def test_flash_off_a_tpu_or_at_a_width_the_kernel_cannot_take_is_refused_with_the_fix():
+    m = small_model(attention="flash")
+    assert attention.for_device(m, FakeDevice("tpu")) == "flash"
+    with pytest.raises(ConfigError, match="'flash' is a TPU kernel and this run's devices are gpu; use 'auto'"):
+        attention.for_device(m, FakeDevice("gpu"))
+    config = base_config()
+    config.model.attention, config.model.n_head = "flash", 4  # heads of 192
+    with pytest.raises(ConfigError, match="not 192 .*change n_head or use 'auto'"):
+        validate(config)
