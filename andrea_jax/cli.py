@@ -30,14 +30,13 @@ def run(main: Callable[[], None]) -> None:
     try:
         distributed.initialize(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value, DISTRIBUTED_TIMEOUT.value)
         main()
-    except (ConfigError, DataError, checkpoint.CheckpointError, train_loop.TrainingStopped) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except Exception as error:  # a full disk arrives from many writers, Orbax's threads among them
-        disk_full = atomic.as_disk_full(error)
-        if disk_full is None:
+    except Exception as error:
+        # A full disk arrives from many writers, Orbax's threads among them, in many forms.
+        known = error if isinstance(error, (ConfigError, DataError, checkpoint.CheckpointError,
+                                            train_loop.TrainingStopped)) else atomic.as_disk_full(error)
+        if known is None:
             raise
-        print(f"error: {disk_full}", file=sys.stderr, flush=True)
+        print(f"error: {known}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
