@@ -9,7 +9,7 @@ is the run's own config.json; --config FILE replaces it, --config.x=y changes a 
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from andrea_jax import cli  # the multi-process flags, shared with train.py
@@ -84,10 +84,10 @@ def main(argv):
         sys.exit(2)
 
     import jax
-    from jax.experimental import multihost_utils
     from andrea_jax import checkpoint, distributed, evaluate
     from andrea_jax.config import ConfigError
     from andrea_jax.data import DataError
+    from andrea_jax.leader_first import leader_first
     try:
         distributed.initialize(cli.COORDINATOR.value, cli.NUM_PROCESSES.value, cli.PROCESS_ID.value,
                                cli.DISTRIBUTED_TIMEOUT.value)
@@ -96,11 +96,9 @@ def main(argv):
             evaluate.run_config(workdir)  # raises when the workdir holds no run
         restored = evaluate.restore(workdir, flags.FLAGS.config, _STEP.value)
         batches = restored.config.eval_batches if _BATCHES.value is None else _BATCHES.value
-        if not leader:  # the leader builds a missing validation cache; the others then read it
-            multihost_utils.sync_global_devices("andrea_eval_cache")
-        split = evaluate.validation_split(restored.config, restored.tokenizer)
-        if leader and jax.process_count() > 1:
-            multihost_utils.sync_global_devices("andrea_eval_cache")
+        # As in training: the leader builds a missing validation cache, the others then read it.
+        find_split = lambda: evaluate.validation_split(restored.config, restored.tokenizer)
+        split = leader_first(leader, find_split, find_split, "build the validation token cache")
         report = evaluate.score(restored, split, batches)
         # Every process takes part in each computation (scoring, sampling); the leader reports.
         say = print if leader else (lambda *args, **kwargs: None)

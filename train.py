@@ -5,7 +5,7 @@ Running it again on the same workdir resumes from the newest checkpoint.
 
 import os
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from andrea_jax import cli

@@ -12,19 +12,25 @@ step again.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Any
 
 import jax
-import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from andrea_jax.workdir import PROJECT, SHAPE_KEYS
+from andrea_jax import atomic
+from andrea_jax.workdir import PROJECT
 
 FORMAT_VERSION = 1
 UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir, next to checkpoints/
+# Steps past `keep` are renamed in here (one atomic step), then removed: a kill while removing
+# never leaves a half-deleted step among the kept ones.
+DELETING_DIR = "deleting"  # in checkpoints/
+SAVE_MARGIN_BYTES = 2**20  # Orbax's metadata and indexes beside the arrays
 
 
 class CheckpointError(RuntimeError):
@@ -41,8 +47,7 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
                         tree, shardings)
 
 
-def check_meta(meta: dict, where: str, tokenizer_sha256: str | None = None,
-               model_config: ml_collections.ConfigDict | None = None) -> None:
+def check_meta(meta: dict, where: str, tokenizer_sha256: str | None = None) -> None:
     """Stops on a checkpoint this run cannot continue from, before any array is read."""
     if meta.get("project") != PROJECT:
         raise CheckpointError(f"{where} was not written by {PROJECT}; use a new --workdir")
@@ -54,13 +59,6 @@ def check_meta(meta: dict, where: str, tokenizer_sha256: str | None = None,
         raise CheckpointError(f"{where} was trained with tokenizer {saved_sha[:12]}, but the workdir's "
                               f"tokenizer.json is {tokenizer_sha256[:12]}; put the run's own tokenizer.json "
                               f"back or use a new --workdir")
-    saved_model = (meta.get("config") or {}).get("model") or {}
-    if model_config is not None:
-        for key in SHAPE_KEYS:
-            if key in saved_model and saved_model[key] != model_config.get(key):
-                raise CheckpointError(f"{where} holds a model with model.{key}={saved_model[key]}, not "
-                                      f"{model_config.get(key)}; pass --config.model.{key}={saved_model[key]} "
-                                      f"or use a new --workdir")
 
 
 class Checkpointer:
@@ -73,7 +71,8 @@ class Checkpointer:
         self.last_save_seconds = 0.0  # how long the last save() held the caller up
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                                create=not read_only, read_only=read_only,
-                                               cleanup_tmp_directories=not read_only)
+                                               cleanup_tmp_directories=not read_only,
+                                               todelete_subdir=None if read_only else DELETING_DIR)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def steps(self) -> list[int]:
@@ -82,10 +81,29 @@ class Checkpointer:
     def save(self, step: int, state: dict, meta: dict) -> None:
         """Starts an async save of the state at `step`; training goes on while it writes."""
         started = time.perf_counter()
+        self._manager.wait_until_finished()  # as save() would: nothing is being renamed into DELETING_DIR now
+        self._remove_deleted()
+        self._check_space(step, state)
         meta = {"project": PROJECT, "format": FORMAT_VERSION, "step": int(step), **meta}
         arrays = {item: ocp.args.StandardSave(tree) for item, tree in state.items() if item != "step"}
         self._manager.save(step, args=ocp.args.Composite(**arrays, meta=ocp.args.JsonSave(meta)), force=True)
         self.last_save_seconds = time.perf_counter() - started
+
+    def _remove_deleted(self) -> None:
+        if jax.process_index() == 0:  # the process that deletes
+            shutil.rmtree(os.path.join(self.directory, DELETING_DIR), ignore_errors=True)
+
+    def _check_space(self, step: int, state: dict) -> None:
+        """Refuses a save the disk cannot hold, before anything is written: a save that fails halfway
+        fails in Orbax's writer threads, long after the step, in many tracebacks."""
+        # The shards this process writes: one copy of each, uncompressed.
+        needed = SAVE_MARGIN_BYTES + sum(shard.data.nbytes for leaf in jax.tree.leaves(state)
+                                         for shard in leaf.addressable_shards if shard.replica_id == 0)
+        short = shutil.disk_usage(self.directory).free < needed
+        if jax.process_count() > 1:  # all processes refuse together, or none does
+            short = bool(multihost_utils.process_allgather(np.int32(short)).any())
+        if short:
+            raise atomic.disk_full(os.path.join(self.directory, str(step)), needed)
 
     def read_meta(self, step: int) -> dict:
         """The metadata item of `step` alone (no arrays are read)."""
@@ -104,15 +122,15 @@ class Checkpointer:
         return {item: restored[item] for item in names}, meta
 
     def restore(self, abstract_state: dict, step: int | None = None, params_only: bool = False,
-                tokenizer_sha256: str | None = None,
-                model_config: ml_collections.ConfigDict | None = None) -> tuple[dict, dict] | None:
+                tokenizer_sha256: str | None = None) -> tuple[dict, dict] | None:
         """(state, meta) of `step`, or of the newest readable step; None when there is none.
 
         abstract_state: {"params": ..., "opt_state": ..., ["loss_scale": ...]} of ShapeDtypeStructs with
-        shardings, each an item of its own ("params" alone with params_only). A checkpoint from another project, tokenizer or
-        model shape raises CheckpointError; an unreadable one is skipped for the one before.
+        shardings, each an item of its own ("params" alone with params_only). A checkpoint from another project or
+        tokenizer raises CheckpointError (the model's shape is the workdir's config.json, checked by
+        `workdir.check_compatible`); an unreadable one is skipped for the one before.
         """
-        expect = dict(tokenizer_sha256=tokenizer_sha256, model_config=model_config)
+        expect = dict(tokenizer_sha256=tokenizer_sha256)
         steps = self.steps()
         if step is not None:
             if step not in steps:
@@ -176,6 +194,8 @@ class Checkpointer:
         """Waits for the last async save, then releases the manager (call in a finally)."""
         self._manager.wait_until_finished()
         self._manager.close()
+        if not self.read_only:
+            self._remove_deleted()
 
 
 def first_line(error: Exception) -> str:

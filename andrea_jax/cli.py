@@ -19,7 +19,7 @@ DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
 
 def run(main: Callable[[], None]) -> None:
     """Joins the cluster if there is one, runs `main`, and turns user errors into one line and exit code 2."""
-    from andrea_jax import checkpoint, distributed, host_memory, train_loop
+    from andrea_jax import atomic, checkpoint, distributed, host_memory, train_loop
     from andrea_jax.config import ConfigError
     from andrea_jax.data import DataError
 
@@ -30,8 +30,13 @@ def run(main: Callable[[], None]) -> None:
     try:
         distributed.initialize(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value, DISTRIBUTED_TIMEOUT.value)
         main()
-    except (ConfigError, DataError, checkpoint.CheckpointError, train_loop.TrainingStopped) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+    except Exception as error:
+        # A full disk arrives from many writers, Orbax's threads among them, in many forms.
+        known = error if isinstance(error, (ConfigError, DataError, checkpoint.CheckpointError,
+                                            train_loop.TrainingStopped)) else atomic.as_disk_full(error)
+        if known is None:
+            raise
+        print(f"error: {known}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

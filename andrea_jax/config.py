@@ -142,9 +142,7 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
                           f"{m.d_model // m.n_head} (d_model / n_head); change n_head or use 'auto'")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
-    # The ablation keys are read with their defaults: a config.json saved before they existed still loads.
-    norm_position, residual = m.get("norm_position", "pre"), m.get("residual", True)
-    activation, mlp_ratio = m.get("activation", "gelu_tanh"), m.get("mlp_ratio", 0.0)
+    norm_position, residual, activation, mlp_ratio = m.norm_position, m.residual, m.activation, m.mlp_ratio
     if norm_position not in ("pre", "post"):
         raise ConfigError(f"model.norm_position={norm_position!r} is not one of 'pre', 'post'")
     if not isinstance(residual, bool):

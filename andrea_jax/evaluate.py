@@ -13,20 +13,18 @@ import json
 import math
 import os
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
-from andrea_jax import atomic, checkpoint, model, sampling, sharding
+from andrea_jax import atomic, checkpoint, model, sampling, sharding, train_step
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import ConfigError, validate
-from andrea_jax.data import pipeline, sources, token_cache
+from andrea_jax.data import batcher, pipeline, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.token_cache import TokenSplit
 from andrea_jax.data.tokenizer import Tokenizer
@@ -61,10 +59,11 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     return saved
 
 
-def _mesh_for(config: ml_collections.ConfigDict) -> Mesh:
-    """The run's mesh if it fits the devices present, else every usable device on the data axis."""
+def _mesh_for(config: ml_collections.ConfigDict) -> tuple[Mesh, ml_collections.ConfigDict]:
+    """The run's mesh if it fits the devices present, else every usable device on the data axis
+    (and one micro-batch, which splits over any of them)."""
     try:
-        return sharding.make_mesh(config)
+        return sharding.make_mesh(config), config
     except ConfigError:
         devices = jax.devices()
         count = max(n for n in range(1, len(devices) + 1) if config.batch_size % n == 0)
@@ -74,7 +73,7 @@ def _mesh_for(config: ml_collections.ConfigDict) -> Mesh:
         mesh = sharding.make_mesh(fallback, devices[:count])
         print(f"note: the run's mesh {dict(config.mesh)} does not fit the {len(devices)} device(s) here; "
               f"evaluating on {sharding.describe(mesh)}", flush=True)
-        return mesh
+        return mesh, fallback
 
 
 def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = None) -> Restored:
@@ -90,20 +89,21 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = 
     if config.model.vocab_size == 0:
         config.model.vocab_size = tokenizer.vocab_size
     validate(config)
+    if os.path.exists(os.path.join(workdir, run_dir.CONFIG_FILE)):  # a --config file must build the run's model
+        run_dir.check_compatible(run_dir.load_saved_config(workdir), config, workdir)
     directory = checkpoint.directory_of(workdir)
     ckpt = checkpoint.Checkpointer(workdir, read_only=True) if os.path.isdir(directory) else None
     try:
         if ckpt is None or not ckpt.steps():
             raise EvalError(f"no checkpoint in {directory} yet; train first (python train.py --workdir "
                             f"{workdir} ...), a checkpoint is written every checkpoint_every steps and at the end")
-        mesh = _mesh_for(config)
+        mesh, config = _mesh_for(config)
         axis_rules = sharding.rules(config)
         with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
             boxed = jax.eval_shape(partial(model.init_params, config.model), jax.random.key(0))
             shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
         abstract = {"params": checkpoint.abstract_like(sharding.unbox(boxed), shardings)}
-        state, meta = ckpt.restore(abstract, step=step, params_only=True, tokenizer_sha256=tokenizer.sha256,
-                                   model_config=config.model)
+        state, meta = ckpt.restore(abstract, step=step, params_only=True, tokenizer_sha256=tokenizer.sha256)
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -112,32 +112,30 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = 
 
 def validation_split(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> TokenSplit:
     """The validation tokens of `config.data`, from the token cache (built if missing)."""
-    cache_dir = pipeline.cache_dir_of(config.data)
-    splits = sources.open_source(config.data, cache_dir)
-    directory = token_cache.cache_directory(cache_dir, splits.identity, tokenizer.sha256)
+    splits = sources.open_source(config.data)
+    directory = token_cache.cache_directory(pipeline.cache_dir_of(config.data), splits.identity, tokenizer.sha256)
     return token_cache.load_or_build(splits.val, tokenizer, directory, "val", splits.identity)
 
 
-@partial(jax.jit, static_argnums=3)
-def _loss_sum(params: Any, batch_BxLp1: jax.Array, weights_B: jax.Array,
-              model_config: ml_collections.FrozenConfigDict) -> jax.Array:
-    """Sum over rows of each row's mean next-token loss, rows weighted 0 (padding) or 1."""
-    inputs_BxL, targets_BxL = batch_BxLp1[:, :-1], batch_BxLp1[:, 1:]
-    logits_BxLxV = model.build(model_config).apply({"params": params}, inputs_BxL)
-    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
-    return jnp.sum(losses_BxL.mean(axis=1) * weights_B)
+def mean_loss(eval_step: Callable, params: Any, tokens: np.ndarray, windows: int,
+              config: ml_collections.ConfigDict, batch_sharding: NamedSharding) -> float:
+    """Mean loss of the first `windows` validation windows, scored in batches of config.batch_size.
 
-
-def num_windows(num_tokens: int, seq_len: int) -> int:
-    """Consecutive, non-overlapping windows of seq_len + 1 tokens (sharing their edge tokens)."""
-    return max(0, (num_tokens - 1) // seq_len)
+    The one scoring path of the training loop and eval.py; `eval_step` is `train_step.make_eval_step`'s.
+    """
+    row_losses = []
+    for index in range(-(-windows // config.batch_size)):
+        local = batcher.val_batch(tokens, index=index, batch_size=config.batch_size, seq_len=config.seq_len,
+                                  process_index=jax.process_index(), process_count=jax.process_count())
+        row_losses.append(eval_step(params, batcher.to_global(local, batch_sharding)))
+    return float(np.mean(np.concatenate(jax.device_get(row_losses))[:windows], dtype=np.float64))
 
 
 def score(restored: Restored, split: TokenSplit, batches: int) -> dict:
     """Loss, perplexity and bits per byte over the first `batches` batches (0 = every window)."""
-    config = restored.config
+    config, mesh = restored.config, restored.mesh
     batch_size, seq_len = int(config.batch_size), int(config.seq_len)
-    available = num_windows(split.num_tokens, seq_len)
+    available = batcher.num_val_windows(split.num_tokens, seq_len)
     if available < 1:
         raise EvalError(f"the validation split has {split.num_tokens} tokens, fewer than seq_len + 1 = "
                         f"{seq_len + 1}; lower --config.seq_len")
@@ -145,21 +143,9 @@ def score(restored: Restored, split: TokenSplit, batches: int) -> dict:
     if 0 < batches and batches * batch_size > available:
         print(f"note: the validation split has {available} windows, fewer than {batches} batches of "
               f"{batch_size}; evaluating all of them", flush=True)
-    batch_sharding = sharding.batch_sharding(restored.mesh)
-    weight_sharding = NamedSharding(restored.mesh, P(sharding.BATCH_AXES))
-    frozen = ml_collections.FrozenConfigDict(config.model)
-    sums = []
-    with jax.set_mesh(restored.mesh), nn.logical_axis_rules(sharding.rules(config)):
-        for first in range(0, windows, batch_size):
-            count = min(batch_size, windows - first)
-            batch_BxLp1 = np.zeros((batch_size, seq_len + 1), np.int32)  # padding rows: window 0, weight 0
-            for row in range(count):
-                start = (first + row) * seq_len
-                batch_BxLp1[row] = split.tokens[start:start + seq_len + 1]
-            weights_B = (np.arange(batch_size) < count).astype(np.float32)
-            sums.append(_loss_sum(restored.params, jax.device_put(batch_BxLp1, batch_sharding),
-                                  jax.device_put(weights_B, weight_sharding), frozen))
-    loss = float(np.sum(np.asarray(jax.device_get(sums), np.float64)) / windows)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.rules(config)):
+        eval_step = jax.jit(train_step.make_eval_step(config), out_shardings=sharding.replicated(mesh))
+        loss = mean_loss(eval_step, restored.params, split.tokens, windows, config, sharding.batch_sharding(mesh))
     tokens = windows * seq_len
     fraction = tokens / split.num_tokens
     num_bytes = split.num_bytes * fraction  # the bytes the evaluated tokens stand for
@@ -169,7 +155,7 @@ def score(restored: Restored, split: TokenSplit, batches: int) -> dict:
         "tokens": tokens, "bytes": num_bytes, "fraction_of_split": fraction,
         "batches": -(-windows // batch_size), "batch_size": batch_size, "seq_len": seq_len,
         "split_tokens": split.num_tokens, "split_bytes": split.num_bytes,
-        "mesh": sharding.describe(restored.mesh),
+        "mesh": sharding.describe(mesh),
     }
 
 
@@ -182,8 +168,14 @@ def write_report(workdir: str, report: dict) -> str:
 
 def continue_text(restored: Restored, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int,
                   top_p: float, seed: int) -> str:
-    """The prompt's continuation (KV-cached sampling), stopping at end-of-text."""
+    """The prompt's continuation (KV-cached sampling), stopping at end-of-text if the tokenizer has it."""
     tokenizer, model_config = restored.tokenizer, restored.config.model
+    if tokenizer.eot_id is None:
+        if not prompt:
+            raise EvalError("this tokenizer has no end-of-text token to start a new document from; "
+                            "pass a --prompt with some text, e.g. a newline")
+        print(f"note: the {tokenizer.kind} tokenizer has no end-of-text token, so the sample cannot stop "
+              f"early: it runs to --max_new_tokens={max_new_tokens} or the end of the context", flush=True)
     prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]  # "": a new document
     room = int(model_config.max_len) - 1
     if len(prompt_ids) > room:

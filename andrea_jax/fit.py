@@ -62,7 +62,7 @@ class Steps:
 
 
 class OutOfMemory(Exception):
-    """XLA refused to compile the step for lack of device memory (TPUs check at compile time)."""
+    """The step cannot fit: XLA refused to compile it (TPUs check at compile time), or it needs more than usable."""
 
 
 def device_memory_limit() -> int | None:
@@ -86,9 +86,11 @@ def microbatch_choices(config: ml_collections.ConfigDict, mesh: Mesh) -> list[in
 
 
 def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state: Any,
-                  state_shardings: Any) -> Steps:
-    """Lowers and compiles both steps as the loop calls them; OutOfMemory when XLA refuses.
+                  state_shardings: Any, usable: int | None = None) -> Steps:
+    """Lowers and compiles both steps as the loop calls them.
 
+    OutOfMemory when XLA refuses, or when the train step alone needs more than `usable` bytes a
+    device (then the eval step is not compiled: it needs less, and a compile costs minutes).
     Runs under the caller's `jax.set_mesh(mesh)` and logical axis rules.
     """
     tx, schedule = optimizer.make(config), optimizer.learning_rate_schedule(config)
@@ -99,14 +101,18 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state:
                         in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
                         out_shardings=(state_shardings, sharding.replicated(mesh)),
                         donate_argnums=0).lower(abstract_state, batch).compile()
+        train_memory = Memory.of(train)
+        if usable is not None and train_memory.peak > usable:
+            raise OutOfMemory(f"the train step needs {train_memory.peak / GIB:.2f} GiB a device > "
+                              f"{usable / GIB:.2f} GiB usable")
         evaluate = jax.jit(train_step.make_eval_step(config),
                            in_shardings=(state_shardings["params"], sharding.batch_sharding(mesh)),
                            out_shardings=sharding.replicated(mesh)).lower(abstract_state["params"], batch).compile()
     except Exception as error:  # the runtime's error type differs between jax versions
         if "RESOURCE_EXHAUSTED" in str(error):
-            raise OutOfMemory(str(error).splitlines()[0]) from error
+            raise OutOfMemory(f"XLA refused it ({str(error).splitlines()[0]})") from error
         raise
-    train_memory, eval_alone = Memory.of(train), Memory.of(evaluate)
+    eval_alone = Memory.of(evaluate)
     resident = train_memory.arguments - eval_alone.arguments  # optimizer state and step, beside the params
     eval_memory = dataclasses.replace(eval_alone, arguments=eval_alone.arguments + resident)
     return Steps(config, train, evaluate, train_memory, eval_memory)
@@ -131,9 +137,9 @@ def fit(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state: Any, stat
     def attempt(candidate: ml_collections.ConfigDict) -> tuple[Steps | None, str]:
         setting = f"microbatches={candidate.microbatches}" + (", remat" if candidate.model.remat else "")
         try:
-            steps = compile_steps(candidate, mesh, abstract_state, state_shardings)
+            steps = compile_steps(candidate, mesh, abstract_state, state_shardings, usable)
         except OutOfMemory as error:
-            return None, f"{setting}: XLA refused it ({error})"
+            return None, f"{setting}: {error}"
         need = f"{setting}: {steps.peak / GIB:.2f} GiB a device"
         if usable is not None and steps.peak > usable:
             return None, need + f" > {usable / GIB:.2f} GiB usable"

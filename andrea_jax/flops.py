@@ -28,7 +28,7 @@ PEAK_FLOAT32_FLOPS = [
 
 
 def _mlp_input_matrices(model_config: ml_collections.ConfigDict) -> int:
-    return 2 if model_config.get("activation", "gelu_tanh") == "swiglu" else 1
+    return 2 if model_config.activation == "swiglu" else 1
 
 
 def non_embedding_params(model_config: ml_collections.ConfigDict) -> int:

@@ -1,7 +1,8 @@
-"""Hugging Face GPT-2 format out and in: share a run, or start one from GPT-2 weights.
+"""Hugging Face GPT-2 format out and in: share a run, or start one from GPT-2 or nanoGPT weights.
 
   python -m andrea_jax.hf_export export --workdir runs/tiny --out runs/tiny_hf [--step N] [--overwrite]
   python -m andrea_jax.hf_export import --hf DIR_OR_CKPT --workdir runs/ft [--config configs/tiny.py]
+                                        [--tokenizer FILE_OR_DIR] [--overwrite]
 
 The architecture is GPT-2's, so both directions are exact: an export is a
 `GPT2LMHeadModel` directory (config.json, model.safetensors, tokenizer files)
@@ -13,7 +14,6 @@ into place, so a failure leaves nothing half-written.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -22,11 +22,11 @@ from typing import Mapping
 
 import ml_collections
 import numpy as np
+from absl import flags
 
-from andrea_jax import interop, model
+from andrea_jax import interop
 from andrea_jax import workdir as run_dir
-from andrea_jax.config import ConfigError, base_config, validate
-from andrea_jax.data import DataError
+from andrea_jax.config import base_config, validate
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.tokenizer import END_OF_TEXT, Tokenizer
 
@@ -37,10 +37,13 @@ HF_TOKENIZER_FILE = "tokenizer.json"
 ANDREA_TOKENIZER_FILE = "andrea_tokenizer.json"
 # Written into an imported workdir: `train.py --config <workdir>/run_config.py` resumes it as saved.
 RUN_CONFIG_FILE = "run_config.py"
-# GPT-2 activations that are the tanh GELU this model uses.
-TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+# transformers' activation_function -> model.activation: OpenAI's GPT-2 uses the tanh GELU, nanoGPT the exact one.
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+               "gelu": "gelu_exact"}
 # nanoGPT keeps nn.Linear weights (out, in); GPT-2's Conv1D and our kernels are (in, out).
 _LINEAR_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Where a tokenizer may lie in a directory, in this order of preference.
+_TOKENIZER_FILES = ([ANDREA_TOKENIZER_FILE], [HF_TOKENIZER_FILE], ["meta.pkl"], ["vocab.json", "merges.txt"])
 
 
 class ExportError(RuntimeError):
@@ -49,7 +52,7 @@ class ExportError(RuntimeError):
 
 # ---------------------------------------------------------------- export
 
-def hf_config(model_config: ml_collections.ConfigDict, eot_id: int, mlp_width: int) -> dict:
+def hf_config(model_config: ml_collections.ConfigDict, eot_id: int | None, mlp_width: int) -> dict:
     """config.json of the equivalent transformers GPT2LMHeadModel."""
     m = model_config
     return {
@@ -57,12 +60,12 @@ def hf_config(model_config: ml_collections.ConfigDict, eot_id: int, mlp_width: i
         "vocab_size": int(m.vocab_size),  # padding rows are cut
         "n_positions": int(m.max_len), "n_ctx": int(m.max_len),
         "n_embd": int(m.d_model), "n_layer": int(m.n_layer), "n_head": int(m.n_head), "n_inner": int(mlp_width),
-        "activation_function": "gelu_new",  # the tanh approximation, as in model.MLP
+        "activation_function": "gelu" if m.get("activation") == "gelu_exact" else "gelu_new",
         "layer_norm_epsilon": float(m.layer_norm_epsilon),
         "resid_pdrop": float(m.dropout), "embd_pdrop": float(m.dropout), "attn_pdrop": float(m.dropout),
         "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False, "use_cache": True, "tie_word_embeddings": True,
-        "bos_token_id": int(eot_id), "eos_token_id": int(eot_id), "dtype": "float32",
+        "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": "float32",
     }
 
 
@@ -87,18 +90,13 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
     else:
         raise ExportError(f"a {tokenizer.kind!r} tokenizer has no Hugging Face form; "
                           f"train with data.tokenizer='bpe', 'byte' or 'char'")
-    hf.add_special_tokens([END_OF_TEXT])
+    if tokenizer.eot_id is not None:
+        hf.add_special_tokens([END_OF_TEXT])
     if hf.token_to_id(END_OF_TEXT) != tokenizer.eot_id or \
             hf.encode(probe, add_special_tokens=False).ids != tokenizer.encode(probe):
         raise ExportError(f"the {tokenizer.kind} tokenizer could not be rebuilt exactly in Hugging Face "
                           f"form; share the weights with {ANDREA_TOKENIZER_FILE} instead")
     return hf.to_str()
-
-
-def _tokenizer_config(model_config: ml_collections.ConfigDict) -> dict:
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(model_config.max_len),
-            "bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT, "unk_token": END_OF_TEXT,
-            "add_prefix_space": False, "clean_up_tokenization_spaces": False}
 
 
 def write_hf(out: str, params: Mapping, model_config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> None:
@@ -110,11 +108,15 @@ def write_hf(out: str, params: Mapping, model_config: ml_collections.ConfigDict,
     # Tied: transformers ties lm_head to wte on load, as its own save_pretrained files expect.
     del state_dict["lm_head.weight"]
     save_file(state_dict, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt"})
+    # A char tokenizer from nanoGPT has no end-of-text: then there are no special tokens at all.
+    special = {} if tokenizer.eot_id is None else {k: END_OF_TEXT for k in ("bos_token", "eos_token", "unk_token")}
     files = {
         HF_CONFIG_FILE: json.dumps(hf_config(model_config, tokenizer.eot_id, mlp_width), indent=2),
         HF_TOKENIZER_FILE: hf_tokenizer_json(tokenizer),
-        "tokenizer_config.json": json.dumps(_tokenizer_config(model_config), indent=2),
-        "special_tokens_map.json": json.dumps({k: END_OF_TEXT for k in ("bos_token", "eos_token", "unk_token")}),
+        "tokenizer_config.json": json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(model_config.max_len),
+            **special, "add_prefix_space": False, "clean_up_tokenization_spaces": False}, indent=2),
+        "special_tokens_map.json": json.dumps(special),
     }
     if tokenizer.kind != "bpe":
         files[ANDREA_TOKENIZER_FILE] = tokenizer.to_json()
@@ -129,14 +131,10 @@ def export(workdir: str, out: str, step: int | None = None, overwrite: bool = Fa
 
     _check_output(out, overwrite, "--out", keep=workdir)
     config = evaluate.run_config(workdir)
-    ablations = model.non_gpt2_features(config.model)
-    if ablations:
-        raise ExportError(f"{workdir} trained a model that is not GPT-2's ({'; '.join(ablations)}), so "
-                          f"GPT2LMHeadModel cannot hold it; export a run with the default architecture")
+    interop.check_gpt2_architecture(config.model)  # before the restore, which may take a while
     restored = evaluate.restore(workdir, config, step)
-    params = _host(restored.params)
     with _staged(out) as staging:
-        write_hf(staging, params, restored.config.model, restored.tokenizer)
+        write_hf(staging, restored.params, restored.config.model, restored.tokenizer)
     print(f"exported step {restored.step} of {workdir} to {out}", flush=True)
     return out
 
@@ -149,19 +147,24 @@ def read_state_dict(path: str) -> tuple[dict[str, np.ndarray], dict]:
     `path` is a transformers GPT-2 directory (config.json + model.safetensors or
     pytorch_model.bin) or a nanoGPT `ckpt.pt` ({"model": ..., "model_args": ...}).
     """
+    if not os.path.exists(path):
+        raise ExportError(f"--hf {path} does not exist; pass a Hugging Face GPT-2 directory or a nanoGPT ckpt.pt")
     if os.path.isfile(path):
-        return _read_nanogpt(path)
-    config_path = os.path.join(path, HF_CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        raise ExportError(f"{path} has no {HF_CONFIG_FILE}; pass a Hugging Face GPT-2 directory "
-                          f"(config.json + model.safetensors) or a nanoGPT ckpt.pt")
-    with open(config_path, encoding="utf-8") as f:
-        hf = json.load(f)
-    _check_gpt2(hf, path)
-    state_dict = _read_weights(path)
-    if not any(k.startswith(interop.PREFIX) for k in state_dict):
-        # GPT2Model files (e.g. openai-community/gpt2) name the body without the prefix.
-        state_dict = {(k if k.startswith("lm_head.") else interop.PREFIX + k): v for k, v in state_dict.items()}
+        state_dict, hf = _read_nanogpt(path)
+    else:
+        config_path = os.path.join(path, HF_CONFIG_FILE)
+        if not os.path.isfile(config_path):
+            raise ExportError(f"{path} has no {HF_CONFIG_FILE}; pass a Hugging Face GPT-2 directory "
+                              f"(config.json + model.safetensors) or a nanoGPT ckpt.pt")
+        with open(config_path, encoding="utf-8") as f:
+            hf = json.load(f)
+        _check_gpt2(hf, path)
+        state_dict = _read_weights(path)
+        if not any(k.startswith(interop.PREFIX) for k in state_dict):
+            # GPT2Model files (e.g. openai-community/gpt2) name the body without the prefix.
+            state_dict = {(k if k.startswith("lm_head.") else interop.PREFIX + k): v for k, v in state_dict.items()}
+    if interop.PREFIX + "wte.weight" not in state_dict:
+        raise ExportError(f"{path} has no token embedding ({interop.PREFIX}wte.weight); pass a GPT-2 checkpoint")
     return state_dict, hf
 
 
@@ -172,9 +175,10 @@ def _check_gpt2(hf: dict, where: str) -> None:
         raise ExportError(f"{where} holds a {found} model, not GPT-2; only GPT2LMHeadModel checkpoints "
                           f"have this architecture, pass one of those")
     activation = hf.get("activation_function", "gelu_new")
-    if activation not in TANH_GELUS:
-        raise ExportError(f"{where} uses activation_function={activation!r}; this model computes the tanh "
-                          f"GELU ({', '.join(TANH_GELUS)}), so its logits would differ; pick a GPT-2 with gelu_new")
+    if activation not in ACTIVATIONS:
+        raise ExportError(f"{where} uses activation_function={activation!r}; this model computes the tanh or "
+                          f"exact GELU ({', '.join(map(repr, ACTIVATIONS))}), so its logits would differ; pick a "
+                          f"GPT-2 with one of those")
     if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
         raise ExportError(f"{where} scales attention differently from GPT-2 (scale_attn_weights / "
                           f"scale_attn_by_inverse_layer_idx); pick a checkpoint with GPT-2's defaults")
@@ -210,7 +214,13 @@ def _torch_load(path: str) -> dict:
     except ImportError:
         raise ExportError(f"reading {path} needs PyTorch; pip install torch (the CPU build is enough), "
                           f"or convert it to safetensors") from None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        # Tensors and plain values only: nanoGPT's ckpt.pt (its config, model_args, optimizer state) is that.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # not a torch file, or one holding objects that weights_only refuses
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ExportError(f"cannot read {path} as tensors and plain values ({reason}); pass a nanoGPT ckpt.pt "
+                          f"or a Hugging Face GPT-2 directory") from None
 
 
 def _read_nanogpt(path: str) -> tuple[dict[str, np.ndarray], dict]:
@@ -218,7 +228,6 @@ def _read_nanogpt(path: str) -> tuple[dict[str, np.ndarray], dict]:
     if not isinstance(checkpoint, dict) or "model" not in checkpoint or "model_args" not in checkpoint:
         raise ExportError(f"{path} is not a nanoGPT checkpoint (a dict with 'model' and 'model_args'); "
                           f"pass one, or a Hugging Face GPT-2 directory")
-    args = checkpoint["model_args"]
     state_dict = {}
     for key, value in checkpoint["model"].items():
         key = key.removeprefix("_orig_mod.")  # torch.compile's wrapper
@@ -228,10 +237,9 @@ def _read_nanogpt(path: str) -> tuple[dict[str, np.ndarray], dict]:
     for key in [k for k in state_dict if k.endswith(".weight") and ("ln_" in k or k.endswith(_LINEAR_SUFFIXES))]:
         bias = key[:-len("weight")] + "bias"
         state_dict.setdefault(bias, np.zeros(state_dict[key].shape[-1], np.float32))
-    print("note: nanoGPT uses the exact (erf) GELU and this model the tanh one; the logits differ slightly "
-          "until fine-tuning", flush=True)
-    hf = {"model_type": "gpt2", "n_layer": args["n_layer"], "n_head": args["n_head"], "n_embd": args["n_embd"],
-          "n_positions": args["block_size"], "vocab_size": args["vocab_size"], "layer_norm_epsilon": 1e-5}
+    # nanoGPT's GELU is the exact (erf) one, its LayerNorm epsilon 1e-5; the dataset names its meta.pkl.
+    hf = {"n_head": checkpoint["model_args"]["n_head"], "activation_function": "gelu", "layer_norm_epsilon": 1e-5,
+          "dataset": (checkpoint.get("config") or {}).get("dataset")}
     return state_dict, hf
 
 
@@ -242,86 +250,87 @@ def model_overrides(state_dict: Mapping[str, np.ndarray], hf: dict) -> dict:
     return {
         "n_layer": len({k.split(".")[2] for k in state_dict if k.startswith(p + "h.")}),
         "d_model": int(wte.shape[1]), "n_head": int(hf["n_head"]),
-        "mlp_dim": int(state_dict[p + "h.0.mlp.c_fc.weight"].shape[1]),
+        "mlp_dim": int(state_dict[p + "h.0.mlp.c_fc.weight"].shape[1]), "mlp_ratio": 0.0,
         "vocab_size": int(wte.shape[0]), "max_len": int(state_dict[p + "wpe.weight"].shape[0]),
         "layer_norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
+        "activation": ACTIVATIONS[hf.get("activation_function", "gelu_new")],
     }
 
 
-def load_gpt2(path: str, model_config: ml_collections.ConfigDict | None = None) -> tuple[dict, dict]:
-    """A GPT-2 checkpoint -> (params, model config overrides).
+def to_params(state_dict: Mapping[str, np.ndarray], hf: dict,
+              model_config: ml_collections.ConfigDict | None = None) -> tuple[dict, dict]:
+    """A state dict from `read_state_dict` -> (params, model config overrides).
 
     The overrides (n_layer, d_model, ... from the checkpoint) go on top of
     `model_config` (default: base_config().model), whose other keys
     (scan_layers, vocab_pad_multiple, dtype) decide the params' layout.
     """
-    state_dict, hf = read_state_dict(path)
-    if interop.PREFIX + "wte.weight" not in state_dict:
-        raise ExportError(f"{path} has no token embedding ({interop.PREFIX}wte.weight); pass a GPT-2 checkpoint")
     overrides = model_overrides(state_dict, hf)
     m = ml_collections.ConfigDict((model_config or base_config().model).to_dict())
     m.update(overrides)
     return interop.from_gpt2(state_dict, m), overrides
 
 
-def load_tokenizer(path: str, tokenizer_path: str | None = None) -> Tokenizer:
-    """The checkpoint's tokenizer: --tokenizer, else our own file, tokenizer.json, or vocab.json + merges.txt."""
-    directory = path if os.path.isdir(path) else os.path.dirname(path)
-    candidates = [tokenizer_path] if tokenizer_path else [
-        os.path.join(directory, ANDREA_TOKENIZER_FILE), os.path.join(directory, HF_TOKENIZER_FILE)]
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            return tokenizers.load(candidate)
-    vocab, merges = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
-    if not tokenizer_path and os.path.isfile(vocab) and os.path.isfile(merges):
-        from tokenizers import Tokenizer as HfTokenizer, decoders, models, pre_tokenizers
+def load_tokenizer(path: str, tokenizer_path: str | None = None, dataset: str | None = None) -> Tokenizer:
+    """The checkpoint's tokenizer: --tokenizer (a file, or a directory holding one), else one beside
+    the checkpoint, else nanoGPT's data/<dataset>/meta.pkl, where its sample.py looks for it."""
+    if tokenizer_path and os.path.isfile(tokenizer_path):
+        return tokenizers.load(tokenizer_path)
+    if tokenizer_path:
+        directories = [tokenizer_path]
+    else:
+        beside = os.path.abspath(path if os.path.isdir(path) else os.path.dirname(path))
+        # nanoGPT writes out_dir inside its repository, and sample.py runs from the repository's root.
+        roots = [os.path.dirname(beside), os.getcwd()] if dataset else []
+        directories = [beside] + [os.path.join(root, "data", dataset) for root in roots]
+    for directory in directories:
+        for names in _TOKENIZER_FILES:
+            files = [os.path.join(directory, name) for name in names]
+            if all(os.path.isfile(f) for f in files):
+                return tokenizers.load(files[0]) if len(files) == 1 else _gpt2_bpe(*files)
+    raise ExportError(f"no tokenizer for {path} in {' or '.join(directories)} (tokenizer.json, nanoGPT's "
+                      f"meta.pkl, or GPT-2's vocab.json + merges.txt); pass --tokenizer with one of them")
 
-        hf = HfTokenizer(models.BPE.from_file(vocab, merges))
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        hf.decoder = decoders.ByteLevel()
-        hf.add_special_tokens([END_OF_TEXT])
-        return tokenizers.BpeTokenizer(hf)
-    raise ExportError(f"no tokenizer found for {path} ({tokenizer_path or 'tokenizer.json, vocab.json + merges.txt'}); "
-                      f"pass --tokenizer with the tokenizer.json it was trained with")
+
+def _gpt2_bpe(vocab: str, merges: str) -> Tokenizer:
+    """GPT-2's byte-level BPE from its vocab.json and merges.txt (what tiktoken's "gpt2" encodes)."""
+    from tokenizers import Tokenizer as HfTokenizer, decoders, models, pre_tokenizers
+
+    hf = HfTokenizer(models.BPE.from_file(vocab, merges))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([END_OF_TEXT])
+    return tokenizers.BpeTokenizer(hf)
 
 
-def _fit_vocab(params: dict, overrides: dict, tokenizer: Tokenizer, model_config: ml_collections.ConfigDict):
+def _fit_vocab(state_dict: dict[str, np.ndarray], tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     """Cuts embedding rows no token can reach (nanoGPT pads GPT-2's 50257 to 50304)."""
-    rows = overrides["vocab_size"]
-    if tokenizer.vocab_size == rows:
-        return params, overrides
+    key = interop.PREFIX + "wte.weight"
+    rows = state_dict[key].shape[0]
     if tokenizer.vocab_size > rows:
         raise ExportError(f"the tokenizer has {tokenizer.vocab_size} entries but the embedding only {rows} rows; "
-                          f"pass the tokenizer the model was trained with (--tokenizer)")
+                          f"pass the one the model was trained with (--tokenizer: a tokenizer.json, nanoGPT's "
+                          f"meta.pkl, or a directory with vocab.json + merges.txt)")
+    if tokenizer.vocab_size == rows:
+        return state_dict
     print(f"note: keeping the first {tokenizer.vocab_size} of {rows} embedding rows (the tokenizer's entries)",
           flush=True)
-    overrides = {**overrides, "vocab_size": tokenizer.vocab_size}
-    m = ml_collections.ConfigDict(model_config.to_dict())
-    m.update(overrides)
-    sd = interop.to_gpt2(params, ml_collections.ConfigDict({**m.to_dict(), "vocab_size": rows}))
-    sd = {**sd, interop.PREFIX + "wte.weight": sd[interop.PREFIX + "wte.weight"][:tokenizer.vocab_size]}
-    return interop.from_gpt2(sd, m), overrides
+    return {**state_dict, key: state_dict[key][:tokenizer.vocab_size]}
 
 
 def import_run(path: str, workdir: str, config: ml_collections.ConfigDict | None = None,
                tokenizer_path: str | None = None, overwrite: bool = False) -> ml_collections.ConfigDict:
-    """A GPT-2 checkpoint -> a new workdir at step 0 that train.py and eval.py take; returns its config.
+    """A GPT-2 or nanoGPT checkpoint -> a new workdir at step 0 that train.py and eval.py take; returns its config.
 
-    `config` (default: base_config()) gives everything but the model's shape: data,
-    optimizer, steps; seq_len is lowered to the checkpoint's context if longer.
+    `config` (default: base_config()) gives everything but the model's shape and
+    activation: data, optimizer, steps; seq_len is lowered to the checkpoint's context if longer.
     """
     _check_output(workdir, overwrite, "--workdir", keep=path)
     config = ml_collections.ConfigDict((config or base_config()).to_dict())
-    params, overrides = load_gpt2(path, config.model)
-    tokenizer = load_tokenizer(path, tokenizer_path)
-    params, overrides = _fit_vocab(params, overrides, tokenizer, config.model)
+    state_dict, hf = read_state_dict(path)
+    tokenizer = load_tokenizer(path, tokenizer_path, hf.get("dataset"))
+    params, overrides = to_params(_fit_vocab(state_dict, tokenizer), hf, config.model)
     config.model.update(overrides)
-    if "mlp_ratio" in config.model:
-        config.model.mlp_ratio = 0.0  # the width is the checkpoint's mlp_dim
-    ablations = model.non_gpt2_features(config.model)
-    if ablations:
-        raise ExportError(f"the config sets {'; '.join(ablations)}, but a GPT-2 checkpoint needs GPT-2's "
-                          f"architecture; leave those keys at their defaults")
     config.seq_len = min(int(config.seq_len), int(config.model.max_len))
     config.data.tokenizer = tokenizer.kind
     validate(config)
@@ -358,12 +367,6 @@ def write_run(workdir: str, params: Mapping, config: ml_collections.ConfigDict, 
 
 # ---------------------------------------------------------------- shared
 
-def _host(tree):
-    if isinstance(tree, Mapping):
-        return {k: _host(v) for k, v in tree.items()}
-    return np.asarray(tree)
-
-
 def _check_output(out: str, overwrite: bool, flag: str, keep: str | None = None) -> None:
     """Refuses a non-empty target without --overwrite, and never replaces the run it reads."""
     if os.path.exists(out) and not os.path.isdir(out):
@@ -398,48 +401,49 @@ class _staged:
         os.replace(self.staging, self.target)
 
 
-def load_config_file(path: str) -> ml_collections.ConfigDict:
-    """get_config() of a config file such as configs/tiny.py."""
-    import importlib.util
+# ---------------------------------------------------------------- command line
 
-    if not os.path.isfile(path):
-        raise ExportError(f"--config {path} does not exist; pass a config file such as configs/tiny.py")
-    spec = importlib.util.spec_from_file_location("andrea_import_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+# The flags each command needs; the others it ignores.
+_REQUIRED = {"export": ("workdir", "out"), "import": ("hf", "workdir")}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m andrea_jax.hf_export",
-                                     description="Hugging Face GPT-2 format out of and into andrea-jax runs.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    out = commands.add_parser("export", help="a run's checkpoint -> a GPT2LMHeadModel directory")
-    out.add_argument("--workdir", required=True, help="run directory written by train.py")
-    out.add_argument("--out", required=True, help="directory to write (config.json, model.safetensors, ...)")
-    out.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-    out.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    into = commands.add_parser("import", help="a GPT-2 checkpoint -> a new workdir at step 0")
-    into.add_argument("--hf", required=True, help="Hugging Face GPT-2 directory, or a nanoGPT ckpt.pt")
-    into.add_argument("--workdir", required=True, help="new run directory to write")
-    into.add_argument("--config", default=None, help="config file for everything but the model's shape "
-                                                     "(data, optimizer, steps), e.g. configs/tiny.py")
-    into.add_argument("--tokenizer", default=None, help="tokenizer.json, when the checkpoint has none")
-    into.add_argument("--overwrite", action="store_true", help="replace a non-empty --workdir")
-    args = parser.parse_args(argv)
+def _define_flags() -> None:
+    from ml_collections import config_flags
 
+    flags.DEFINE_string("workdir", None, "export: the run directory to read; import: the new run directory")
+    flags.DEFINE_string("out", None, "export: the directory to write (config.json, model.safetensors, ...)")
+    flags.DEFINE_integer("step", None, "export: the checkpoint step (default: the newest)")
+    flags.DEFINE_string("hf", None, "import: a Hugging Face GPT-2 directory, or a nanoGPT ckpt.pt")
+    flags.DEFINE_string("tokenizer", None, "import: a tokenizer.json, nanoGPT's meta.pkl, or a directory with "
+                        "vocab.json + merges.txt (default: beside the checkpoint, or nanoGPT's data/<dataset>/)")
+    config_flags.DEFINE_config_file("config", None, "import: the config for everything but the model's shape "
+                                    "(data, optimizer, steps), e.g. configs/tiny.py", lock_config=False)
+    flags.DEFINE_bool("overwrite", False, "replace a non-empty output directory")
+
+
+def main(argv: list[str]) -> None:
+    """`export` or `import`, with the flags `_define_flags` gives; errors as one line and exit status 2."""
     from absl import logging
-    logging.set_verbosity(logging.ERROR)  # Orbax's info lines hide the result
+
     from andrea_jax import checkpoint, evaluate
+    from andrea_jax.config import ConfigError
+    from andrea_jax.data import DataError
+
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.ERROR)  # Orbax's info lines and read-only warnings hide the result
+    values = flags.FLAGS
+    command = " ".join(argv[1:])
     try:
-        if args.command == "export":
-            export(args.workdir, args.out, args.step, args.overwrite)
+        if command not in _REQUIRED:
+            raise ExportError(f"say export or import first{f', not {command!r}' if command else ''}; "
+                              f"e.g. python -m andrea_jax.hf_export export --workdir RUN --out DIR")
+        missing = [f"--{name}" for name in _REQUIRED[command] if values[name].value is None]
+        if missing:
+            raise ExportError(f"{command} needs {' and '.join(missing)}; see --helpshort")
+        if command == "export":
+            export(values.workdir, values.out, values.step, values.overwrite)
         else:
-            if not os.path.exists(args.hf):
-                raise ExportError(f"--hf {args.hf} does not exist; pass a Hugging Face GPT-2 directory "
-                                  f"or a nanoGPT ckpt.pt")
-            config = load_config_file(args.config) if args.config else None
-            import_run(args.hf, args.workdir, config, args.tokenizer, args.overwrite)
+            import_run(values.hf, values.workdir, values.config, values.tokenizer, values.overwrite)
     except (ExportError, ConfigError, DataError, ValueError, checkpoint.CheckpointError,
             evaluate.EvalError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
@@ -447,4 +451,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from andrea_jax import cli
+
+    _define_flags()
+    cli.run_app(main)

@@ -2,9 +2,8 @@
 
 XLA:CPU allocates every step's buffers from the host heap. By default glibc
 serves large blocks with fresh mmap()s and gives freed memory back to the OS, so
-each step faults its buffers' pages in again: on 2 cores that cost the
-shakespeare_char step (41 ms) about a third of its time (29 ms with the
-thresholds raised; bench/RESULTS.md). Raising both thresholds keeps freed blocks
+each step faults its buffers' pages in again, a large share of a small model's
+step on a CPU (measured in bench/RESULTS.md). Raising both thresholds keeps freed blocks
 for reuse; the process's resident memory then stays at its peak, which a trainer
 reaches in its first step anyway.
 """
@@ -16,7 +15,7 @@ import ctypes.util
 
 M_TRIM_THRESHOLD = -1  # glibc mallopt() parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
-THRESHOLD_BYTES = 1 << 30  # 32 MiB (glibc's dynamic ceiling) still trimmed every step; 1 GiB does not
+THRESHOLD_BYTES = 1 << 30  # glibc's dynamic ceiling (32 MiB) still trims every step (bench/RESULTS.md)
 
 
 def keep_freed_memory() -> bool:

@@ -72,11 +72,11 @@ def unstack_blocks(stacked: Mapping, n_layer: int) -> list[dict]:
 
 
 def check_gpt2_architecture(m: ml_collections.ConfigDict) -> None:
-    """GPT-2 weights describe a pre-norm, residual, tanh-GELU model; an ablation variant is something else."""
+    """GPT-2 weights describe a pre-norm, residual, GELU model; an ablation variant is something else."""
     features = non_gpt2_features(m)
     if features:
-        raise ValueError(f"GPT-2 weights describe a pre-norm, residual, tanh-GELU model, but this config has "
-                         f"{'; '.join(features)}; set them back to their defaults to convert")
+        raise ValueError(f"{'; '.join(features)}: not GPT-2's architecture (pre-norm, residual, GELU), so GPT-2 "
+                         f"weights cannot hold the model; set them back to their defaults")
 
 
 def _check_shapes(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) -> None:

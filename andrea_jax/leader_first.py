@@ -1,5 +1,5 @@
-"""Work process 0 does for every process (the run directory, tokenizer and token caches), with
-every failure reaching every process.
+"""Work process 0 does for every process, with every failure reaching every process: the one way
+train.py (run directory, tokenizer, token caches) and eval.py (the validation cache) prepare data.
 
 With several processes, process 0 works first while the others wait in a
 collective that hands them its success flag; then they read what it wrote, and a

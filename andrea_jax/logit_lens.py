@@ -28,20 +28,20 @@ _MAX_PLOTTED_POSITIONS = 48  # wider heatmaps have unreadable labels; the last o
 
 @dataclasses.dataclass(frozen=True)
 class Lens:
-    """One prompt through the lens; D = n_layer + 1 depths, L prompt tokens."""
+    """One prompt through the lens; N = n_layer + 1 depths, L prompt tokens."""
     ids: np.ndarray  # [L]
-    top_ids: np.ndarray  # [D, L, TOP_K] likeliest next tokens at each depth and position
-    top_probs: np.ndarray  # [D, L, TOP_K]
-    target_loss: np.ndarray  # [D, L - 1] -log p(the token that really comes next)
-    target_rank: np.ndarray  # [D, L - 1] its rank among all tokens (0 = the top prediction)
-    stream_norm: np.ndarray  # [D] RMS over tokens of the stream's L2 norm
-    block_delta_ratio: np.ndarray  # [D - 1] |stream after block - stream before| / |stream before|
-    attn_delta_ratio: np.ndarray  # [D - 1] as in diagnostics.py
-    mlp_delta_ratio: np.ndarray  # [D - 1]
+    top_ids: np.ndarray  # [N, L, TOP_K] likeliest next tokens at each depth and position
+    top_probs: np.ndarray  # [N, L, TOP_K]
+    target_loss: np.ndarray  # [N, L - 1] -log p(the token that really comes next)
+    target_rank: np.ndarray  # [N, L - 1] its rank among all tokens (0 = the top prediction)
+    stream_norm: np.ndarray  # [N] RMS over tokens of the stream's L2 norm
+    block_delta_ratio: np.ndarray  # [N - 1] |stream after block - stream before| / |stream before|
+    attn_delta_ratio: np.ndarray  # [N - 1] as in diagnostics.py
+    mlp_delta_ratio: np.ndarray  # [N - 1]
 
 
 def _streams(intermediates: dict, model_config: ml_collections.ConfigDict) -> jax.Array:
-    """[D, B, L, d_model]: the stream after the embedding, then after each block."""
+    """[N, B, L, D]: the stream after the embedding, then after each block."""
     (embed,) = intermediates["embed_stream"]
     if model_config.scan_layers:
         (blocks,) = intermediates["blocks"]["block"]["stream"]  # stacked: [n_layer, B, L, d]
@@ -68,21 +68,21 @@ def _lens_arrays(params: Any, ids_1xL: jax.Array, model_config: ml_collections.F
     """The Lens fields but ids, as arrays, in one compiled pass."""
     _, variables = model.build(model_config).apply(
         {"params": params}, ids_1xL, mutable=[model.INTERMEDIATES, model.DIAGNOSTICS])
-    streams_DxLxd = _streams(variables[model.INTERMEDIATES], model_config)[:, 0]
+    streams_NxLxD = _streams(variables[model.INTERMEDIATES], model_config)[:, 0]
     stats = diagnostics.stream_stats(variables[model.DIAGNOSTICS], model_config)
     # Every depth through the real head: the depths stand in for the batch axis.
-    logits_DxLxV = model.head(params, model_config, streams_DxLxd)
-    logprobs_DxLxV = jax.nn.log_softmax(logits_DxLxV, axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs_DxLxV, TOP_K)
+    logits_NxLxV = model.head(params, model_config, streams_NxLxD)
+    logprobs_NxLxV = jax.nn.log_softmax(logits_NxLxV, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs_NxLxV, TOP_K)
     targets_Lm1 = ids_1xL[0, 1:]
-    target_logprob_DxLm1 = jnp.take_along_axis(logprobs_DxLxV[:, :-1], targets_Lm1[None, :, None], axis=-1)[..., 0]
+    target_logprob_NxLm1 = jnp.take_along_axis(logprobs_NxLxV[:, :-1], targets_Lm1[None, :, None], axis=-1)[..., 0]
     # Rank = how many tokens the depth finds strictly likelier than the real one.
-    target_rank_DxLm1 = jnp.sum(logprobs_DxLxV[:, :-1] > target_logprob_DxLm1[..., None], axis=-1)
-    streams_f32 = streams_DxLxd.astype(jnp.float32)
-    norms_D = jnp.sqrt(jnp.mean(jnp.sum(jnp.square(streams_f32), -1), -1))
+    target_rank_NxLm1 = jnp.sum(logprobs_NxLxV[:, :-1] > target_logprob_NxLm1[..., None], axis=-1)
+    streams_f32 = streams_NxLxD.astype(jnp.float32)
+    norms_N = jnp.sqrt(jnp.mean(jnp.sum(jnp.square(streams_f32), -1), -1))
     step_norms = jnp.sqrt(jnp.mean(jnp.sum(jnp.square(streams_f32[1:] - streams_f32[:-1]), -1), -1))
-    return {"top_ids": top_ids, "top_probs": jnp.exp(top_logprobs), "target_loss": -target_logprob_DxLm1,
-            "target_rank": target_rank_DxLm1, "stream_norm": norms_D, "block_delta_ratio": step_norms / norms_D[:-1],
+    return {"top_ids": top_ids, "top_probs": jnp.exp(top_logprobs), "target_loss": -target_logprob_NxLm1,
+            "target_rank": target_rank_NxLm1, "stream_norm": norms_N, "block_delta_ratio": step_norms / norms_N[:-1],
             "attn_delta_ratio": stats["attn_delta_ratio"], "mlp_delta_ratio": stats["mlp_delta_ratio"]}
 
 
@@ -126,15 +126,15 @@ def plot(lens: Lens, tokenizer: Any, out_png: str) -> None:
 
     positions = lens.target_loss.shape[1]
     first = max(0, positions - _MAX_PLOTTED_POSITIONS)
-    probs_DxP = np.exp(-lens.target_loss[:, first:])
-    depths, shown = probs_DxP.shape
+    probs_NxL = np.exp(-lens.target_loss[:, first:])
+    depths, shown = probs_NxL.shape
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * shown + 2), max(3.0, 0.4 * depths + 1.5)))
-    image = ax.imshow(probs_DxP, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, origin="lower")
+    image = ax.imshow(probs_NxL, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, origin="lower")
     for d in range(depths):
         for p in range(shown):
             guess = _label(tokenizer, lens.top_ids[d, first + p, 0])
             ax.text(p, d, guess[:4], ha="center", va="center", fontsize=6,
-                    color="black" if probs_DxP[d, p] > 0.5 else "white")
+                    color="black" if probs_NxL[d, p] > 0.5 else "white")
     ax.set_xticks(range(shown))
     ax.set_xticklabels([_label(tokenizer, t) for t in lens.ids[1 + first:]], rotation=90, fontsize=7)
     ax.set_yticks(range(depths))

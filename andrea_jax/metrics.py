@@ -26,25 +26,33 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def read(workdir: str) -> list[dict]:
-    path = os.path.join(workdir, METRICS_FILE)
+def _records(path: str) -> tuple[list[dict], bool]:
+    """The records, and whether the file ends in a record cut short (a kill or a full disk mid-write)."""
     if not os.path.exists(path):
-        return []
+        return [], False
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        text = f.read()
+    torn = bool(text) and not text.endswith("\n")  # a record is written with its newline last
+    lines = text.splitlines()[:-1] if torn else text.splitlines()
+    return [json.loads(line) for line in lines if line.strip()], torn
+
+
+def read(workdir: str) -> list[dict]:
+    return _records(os.path.join(workdir, METRICS_FILE))[0]
 
 
 def truncate_after(workdir: str, step: int) -> None:
-    """Drop records and TensorBoard events past `step` (logged by a run that stopped before saving them).
+    """Drop records and TensorBoard events past `step` (logged by a run that stopped before saving them),
+    and a record cut short.
 
     A resumed run logs those steps again; keeping both would double them.
     Rewritten atomically: a kill leaves the old file or the new one.
     """
     event_files.drop_after(os.path.join(workdir, TENSORBOARD_DIR), step)
     path = os.path.join(workdir, METRICS_FILE)
-    records = read(workdir)
+    records, torn = _records(path)
     kept = [r for r in records if r.get("step", 0) <= step]
-    if len(kept) == len(records):
+    if len(kept) == len(records) and not torn:
         return
     atomic.write(path, "".join(json.dumps(r) + "\n" for r in kept))
 
@@ -56,7 +64,8 @@ class Writer:
         self.enabled = enabled
         if not enabled:
             return
-        self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a")
+        self._path = os.path.join(workdir, METRICS_FILE)
+        self._jsonl = open(self._path, "a")
         # An event file's name has whole seconds only, and an existing file of that name is
         # overwritten: the suffix keeps a run resumed within the same second from erasing the
         # earlier run's events.
@@ -67,13 +76,15 @@ class Writer:
         if not self.enabled:
             return
         record = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        with atomic.writing(self._path):
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._tensorboard.add_scalar(key, value, step)
 
     def close(self) -> None:
         if self.enabled:
-            self._jsonl.close()
+            with atomic.writing(self._path):  # what a full disk left in the buffer
+                self._jsonl.close()
             self._tensorboard.close()

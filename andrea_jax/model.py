@@ -8,6 +8,12 @@ With decode=True the model reads and extends a "cache" collection: each
 attention layer's keys and values in a fixed [B, max_len, H, K] buffer, and one
 index of the tokens already cached, which offsets the new tokens' positions.
 
+Shape suffixes name each axis of an array: B batch, L length (the queries), S
+key/value length, D model width, H heads, K head width, F MLP width, V
+vocabulary (padded), M micro-batches, N depths of the stream (n_layer + 1);
+Lp1 is L + 1, Lm1 L - 1. (In `k_BxSxHxK` the lowercase k is the keys, the
+suffix's K their head width.)
+
 Every parameter carries logical axis names; a rule table in the config maps
 them onto the device mesh. Parameters are float32; matmuls run in the compute
 dtype (`precision.py`; "auto" = the machine's fastest) and accumulate in float32,
@@ -72,23 +78,27 @@ def mlp_hidden_dim(model_config: ml_collections.ConfigDict) -> int:
     width 2F/3 keeps the count (4 × 768 → 2048 exactly; 4 × 128 → 341 → 320).
     """
     m = model_config
-    ratio = float(m.get("mlp_ratio", 0.0))
+    ratio = float(m.mlp_ratio)
     width = int(round(ratio * m.d_model)) if ratio > 0 else int(m.mlp_dim)
-    if m.get("activation", "gelu_tanh") == "swiglu":
+    if m.activation == "swiglu":
         width = max(SWIGLU_MULTIPLE, int(round(2 * width / 3 / SWIGLU_MULTIPLE)) * SWIGLU_MULTIPLE)
     return width
 
 
 def non_gpt2_features(model_config: ml_collections.ConfigDict) -> list[str]:
-    """The ablation switches set away from GPT-2's architecture ([] = a GPT-2 model)."""
+    """The ablation switches set away from what GPT-2's architecture can hold ([] = a GPT-2 model).
+
+    Either GELU is GPT-2's: transformers' GPT-2 takes the exact one as activation_function="gelu"
+    (nanoGPT's), the tanh one as "gelu_new" (OpenAI's).
+    """
     m = model_config
     found = []
-    if m.get("norm_position", "pre") != "pre":
+    if m.norm_position != "pre":
         found.append(f"model.norm_position={m.norm_position!r} (GPT-2 is 'pre')")
-    if not m.get("residual", True):
+    if not m.residual:
         found.append("model.residual=False (GPT-2 has residual connections)")
-    if m.get("activation", "gelu_tanh") != "gelu_tanh":
-        found.append(f"model.activation={m.activation!r} (GPT-2 is 'gelu_tanh')")
+    if m.activation not in ("gelu_tanh", "gelu_exact"):
+        found.append(f"model.activation={m.activation!r} (GPT-2 is 'gelu_tanh' or 'gelu_exact')")
     return found
 
 
@@ -132,8 +142,8 @@ def split_qkv(qkv_BxLx3xHxK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array
 
     Autodiff of the three slices pads each cotangent to the full shape and adds
     the pads; XLA:CPU fused that, with the transposes from attention's products,
-    into one loop that took about a tenth of the shakespeare_char step. A stack
-    writes each element once (bench/RESULTS.md). Reverse mode only.
+    into one slow loop. A stack writes each element once (measured in
+    bench/RESULTS.md). Reverse mode only.
     """
     return qkv_BxLx3xHxK[:, :, 0], qkv_BxLx3xHxK[:, :, 1], qkv_BxLx3xHxK[:, :, 2]
 
@@ -280,7 +290,7 @@ class Block(nn.Module):
         # does not grow with the number of blocks; each block starts near identity.
         residual_std = INIT_STD / math.sqrt(2 * m.n_layer)
         attn = Attention(m.n_head, dtype, m.dropout, residual_std, m.attention, m.max_len, name="attn")
-        mlp = MLP(mlp_hidden_dim(m), dtype, m.dropout, residual_std, m.get("activation", "gelu_tanh"), name="mlp")
+        mlp = MLP(mlp_hidden_dim(m), dtype, m.dropout, residual_std, m.activation, name="mlp")
         ln_1 = LayerNorm(m.layer_norm_epsilon, dtype, name="ln_1")
         ln_2 = LayerNorm(m.layer_norm_epsilon, dtype, name="ln_2")
         x_BxLxD = self._sublayer("attn", x_BxLxD, ln_1, lambda h: attn(h, deterministic, cache_index))
@@ -293,8 +303,7 @@ class Block(nn.Module):
 
     def _sublayer(self, name: str, x_BxLxD: jax.Array, norm: nn.Module, sublayer) -> jax.Array:
         """pre: x + f(LN(x));  post: LN(x + f(x));  without the residual the `x +` goes."""
-        pre = self.config.get("norm_position", "pre") == "pre"
-        residual = self.config.get("residual", True)
+        pre, residual = self.config.norm_position == "pre", self.config.residual
         delta_BxLxD = sublayer(norm(x_BxLxD) if pre else x_BxLxD)
         if self.is_mutable_collection(DIAGNOSTICS):
             # How much this sub-layer writes, relative to the stream it reads.

@@ -83,8 +83,8 @@ def einsum_f32_accumulate(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.A
     On a CPU the cotangent also passes an optimization barrier: XLA:CPU otherwise
     fuses the elementwise work that produces it (softmax and LayerNorm backward,
     residual sums) into the transposes that feed the two products, and recomputes
-    it in each; materialising it once made the float32 step about 1.1x faster
-    (see bench/RESULTS.md). Being a custom_vjp, it supports reverse mode only.
+    it in each; materialising it once made the float32 step faster (measured in
+    bench/RESULTS.md). Being a custom_vjp, it supports reverse mode only.
     `spec` is "a,b->out": no "...", no index repeated within an operand, and every
     index of a or b appears in one of the other two.
     """

@@ -14,7 +14,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from andrea_jax.model import build
 
@@ -114,25 +113,3 @@ def generate(params: dict, model_config: ml_collections.ConfigDict, prompt_ids: 
         if len(new_ids) < budget:  # the last token need not go through the model
             logits_1xV, cache = decode_step(params, cache, token_1, m)
     return new_ids
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _forward(params: dict, ids_BxL: jax.Array, model_config: ml_collections.FrozenConfigDict) -> jax.Array:
-    return build(model_config).apply({"params": params}, ids_BxL)
-
-
-def greedy_without_cache(params: dict, model_config: ml_collections.ConfigDict, prompt_ids: list[int],
-                         max_new_tokens: int) -> list[int]:
-    """The reference for the cached path: every step re-runs the whole sequence."""
-    _check_prompt(model_config, prompt_ids)
-    m = _frozen(model_config)
-    params = nn.meta.unbox(params)
-    ids = list(prompt_ids)
-    # Padded to max_len so one program serves every step; causal attention keeps the
-    # padding from reaching the position read.
-    while len(ids) < min(len(prompt_ids) + max_new_tokens, m.max_len):
-        padded_1xL = np.zeros((1, m.max_len), np.int32)
-        padded_1xL[0, :len(ids)] = ids
-        logits_V = _forward(params, jnp.asarray(padded_1xL), m)[0, len(ids) - 1, :m.vocab_size]
-        ids.append(int(jnp.argmax(logits_V)))
-    return ids[len(prompt_ids):]

@@ -21,11 +21,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import attention, checkpoint, fit, flops, loss_scale, metrics, optimizer, precision, sharding, summary
-from andrea_jax import train_step
+from andrea_jax import (attention, checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, precision,
+                        sharding, summary, train_step)
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
+from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.leader_first import leader_first
 
 
@@ -77,8 +78,12 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
     read_by_all = _barrier("andrea_config_read")
     if read_by_all is not None:
         read_by_all()  # every process has seen the directory as it was before the leader writes to it
-    if saved is not None:
-        run_dir.check_compatible(saved, config, workdir)  # before any data work
+    config = ml_collections.ConfigDict(config.to_dict())
+    if saved is not None:  # the model's shape is checked here, once, before any data work
+        tokenizer_path = os.path.join(workdir, pipeline.TOKENIZER_FILE)
+        if config.model.vocab_size == 0 and os.path.exists(tokenizer_path):  # a resume keeps its tokenizer
+            config.model.vocab_size = tokenizers.load(tokenizer_path).vocab_size
+        run_dir.check_compatible(saved, config, workdir)
 
     def as_leader():
         lock = run_dir.hold(workdir)  # one run per workdir: before anything is written to it
@@ -89,7 +94,6 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
 
     prepared = leader_first(leader, as_leader, lambda: pipeline.prepare(config, workdir, is_leader=False),
                             "prepare the data")
-    config = ml_collections.ConfigDict(config.to_dict())
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size
     if saved is not None:  # a resumed run keeps computing as it did: its losses stay exact
@@ -99,21 +103,8 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
             config.microbatches, config.model.remat = saved.microbatches, saved.model.remat
     config.model.dtype = precision.resolve_dtype_name(config.model.dtype, device)  # the record says what ran
     config.model.attention = attention.for_device(config.model, device)
-    if saved is not None:
-        run_dir.check_compatible(saved, config, workdir)
     # An existing run's config.json is rewritten by `train` once its checkpoints are known to fit.
     return prepared, config
-
-
-def evaluate(eval_step, params, val_tokens: np.ndarray, config: ml_collections.ConfigDict,
-             batch_sharding, num_batches: int) -> float:
-    """Mean loss over the first `num_batches` fixed validation batches."""
-    losses = []
-    for index in range(num_batches):
-        local = batcher.val_batch(val_tokens, index=index, batch_size=config.batch_size, seq_len=config.seq_len,
-                                  process_index=jax.process_index(), process_count=jax.process_count())
-        losses.append(eval_step(params, batcher.to_global(local, batch_sharding)))
-    return float(np.mean(jax.device_get(losses)))
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None = None) -> dict:
@@ -134,15 +125,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
     mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation
     prepared, config = resolve(config, workdir, leader, device=mesh.devices.flat[0])
     axis_rules = sharding.rules(config)
-    tokens_per_step = config.batch_size * config.seq_len
-    flops_per_token = flops.flops_per_token(config.model, config.seq_len)
     peak, peak_source = flops.peak_flops(config)
-    num_val = min(config.eval_batches, batcher.num_val_batches(prepared.val.num_tokens, config.batch_size,
-                                                               config.seq_len))
     if leader:
         print(summary.format_table(config.model))
-        print(f"mesh {sharding.describe(mesh)}; compute {config.model.dtype}; {tokens_per_step:,} tokens a step; "
-              f"MFU in the nanoGPT/PaLM convention ({flops_per_token / 1e6:.1f} MFLOP a token) "
+        print(f"mesh {sharding.describe(mesh)}; compute {config.model.dtype}; "
+              f"{config.batch_size * config.seq_len:,} tokens a step; MFU in the nanoGPT/PaLM convention "
+              f"({flops.flops_per_token(config.model, config.seq_len) / 1e6:.1f} MFLOP a token) "
               f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})", flush=True)
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
@@ -152,12 +140,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
                         report=print if leader else lambda line: None)
         config = steps.config
         init = partial(train_step.init_state, config=config, tx=optimizer.make(config))
-        batch_sharding = sharding.batch_sharding(mesh)
 
         ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
         writer = None
         try:
-            restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256, model_config=config.model)
+            restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256)
             carried_losses: list[float] = []
             if restored is None:
                 # Built directly sharded: the full model never sits on one device.
@@ -180,22 +167,27 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
                 run_dir.save_config(workdir, config)
             # After the truncation, which replaces the file.
             writer = metrics.Writer(workdir, enabled=leader, start_step=start_step)
-
-            def make_batch(step: int) -> np.ndarray:
-                return batcher.train_batch(prepared.train.tokens, seed=config.seed, step=step,
-                                           batch_size=config.batch_size, seq_len=config.seq_len,
-                                           process_index=jax.process_index(), process_count=jax.process_count())
-            return _loop(config, workdir, state, start_step, steps.train, steps.eval, make_batch, prepared,
-                         batch_sharding, ckpt, writer, tokens_per_step, flops_per_token * tokens_per_step,
-                         peak * mesh.devices.size, num_val, leader, carried_losses)
+            return _loop(steps, state, start_step, carried_losses, prepared, mesh, peak, ckpt, writer)
         finally:
             ckpt.close()  # an async save not waited for is lost
             if writer is not None:
                 writer.close()
 
 
-def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prepared, batch_sharding,
-          ckpt, writer, tokens_per_step, flops_per_step, total_peak, num_val, leader, carried_losses) -> dict:
+def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], prepared: pipeline.Prepared,
+          mesh: jax.sharding.Mesh, peak: float, ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
+    config, leader = steps.config, jax.process_index() == 0
+    batch_sharding = sharding.batch_sharding(mesh)
+    tokens_per_step = config.batch_size * config.seq_len
+    flops_per_step = flops.flops_per_token(config.model, config.seq_len) * tokens_per_step
+    val_windows = config.batch_size * min(config.eval_batches, batcher.num_val_batches(
+        prepared.val.num_tokens, config.batch_size, config.seq_len))
+
+    def make_batch(step: int) -> np.ndarray:
+        return batcher.train_batch(prepared.train.tokens, seed=config.seed, step=step, batch_size=config.batch_size,
+                                   seq_len=config.seq_len, process_index=jax.process_index(),
+                                   process_count=jax.process_count())
+
     meta = {"tokenizer_sha256": prepared.tokenizer.sha256, "config": config.to_dict()}
     last_record: dict = {}
     pending: list[tuple[int, dict]] = []  # device metrics since the last host read
@@ -230,7 +222,7 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
     with _StopSignal() as stop, batcher.Prefetcher(make_batch, start_step, batch_sharding) as batches:
         for step in range(start_step, config.steps):
             _, batch = next(batches)
-            state, step_metrics = step_fn(state, batch)
+            state, step_metrics = steps.train(state, batch)
             pending.append((step, step_metrics))
             interval_steps += 1
             done = step + 1
@@ -244,7 +236,7 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
                     "loss": float(np.mean(interval_losses)),
                     "lr": float(values[-1][1]["lr"]), "grad_norm": float(values[-1][1]["grad_norm"]),
                     "tokens_per_second": tokens_per_second,
-                    "mfu": flops_per_step * interval_steps / elapsed / total_peak,
+                    "mfu": flops_per_step * interval_steps / elapsed / (peak * mesh.devices.size),
                     # config.diagnostics: the per-block figures of the interval's last step
                     **{key: float(value) for key, value in values[-1][1].items() if key.startswith("diag/")},
                     # float16: the loss scale, and how many steps it has skipped since the start
@@ -258,7 +250,8 @@ def _loop(config, workdir, state, start_step, step_fn, eval_fn, make_batch, prep
                 interval_start, interval_steps = time.perf_counter(), 0
 
             if done % config.eval_every == 0 or done == config.steps:
-                val_loss = evaluate(eval_fn, state["params"], prepared.val.tokens, config, batch_sharding, num_val)
+                val_loss = evaluate.mean_loss(steps.eval, state["params"], prepared.val.tokens, val_windows, config,
+                                              batch_sharding)
                 writer.write(done, {"val_loss": val_loss})
                 last_record = {**last_record, "val_loss": val_loss}
                 progress.write(f"step {done}: val_loss {val_loss:.4f}")

@@ -39,28 +39,28 @@ def init_state(rng: jax.Array, config: ml_collections.ConfigDict, tx: optax.Grad
 
 def _loss_and_collections(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
                           dropout_rng: jax.Array | None, collections: tuple[str, ...]) -> tuple[jax.Array, dict]:
-    """Mean next-token loss, and the model collections it was asked to fill in the pass."""
+    """Next-token losses [B, L], and the model collections it was asked to fill in the pass."""
     inputs_BxL, targets_BxL = batch_BxLp1[:, :-1], batch_BxLp1[:, 1:]
     deterministic = dropout_rng is None
     out = model.build(model_config).apply(
         {"params": params}, inputs_BxL, deterministic=deterministic,
         rngs=None if deterministic else {"dropout": dropout_rng}, mutable=list(collections) or False)
     logits_BxLxV, variables = out if collections else (out, {})
-    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
-    return losses_BxL.mean(), variables
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL), variables
 
 
 def cross_entropy(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
                   dropout_rng: jax.Array | None) -> jax.Array:
     """Mean next-token loss in float32 over a [B, L+1] window batch."""
-    return _loss_and_collections(params, model_config, batch_BxLp1, dropout_rng, ())[0]
+    return _loss_and_collections(params, model_config, batch_BxLp1, dropout_rng, ())[0].mean()
 
 
 def cross_entropy_and_stream_stats(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
                                    dropout_rng: jax.Array | None) -> tuple[jax.Array, dict]:
     """The loss and the pass's per-depth stream statistics (`diagnostics.stream_stats`)."""
-    loss, variables = _loss_and_collections(params, model_config, batch_BxLp1, dropout_rng, (model.DIAGNOSTICS,))
-    return loss, diagnostics.stream_stats(variables[model.DIAGNOSTICS], model_config)
+    losses_BxL, variables = _loss_and_collections(params, model_config, batch_BxLp1, dropout_rng,
+                                                  (model.DIAGNOSTICS,))
+    return losses_BxL.mean(), diagnostics.stream_stats(variables[model.DIAGNOSTICS], model_config)
 
 
 def split_microbatches(batch_BxLp1: jax.Array, num_micro: int) -> jax.Array:
@@ -79,7 +79,7 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
     """
     num_micro = max(1, int(config.microbatches))  # 0 (automatic) is resolved by `fit.fit`; alone it means 1
     use_dropout = config.model.dropout > 0.0
-    diagnose = bool(config.get("diagnostics", False))
+    diagnose = bool(config.diagnostics)
 
     def grads_of(params, micro_BxLp1, rng, scale):
         """(loss, grads of scale × loss, stream stats); the stats are {} unless diagnosing."""
@@ -143,13 +143,16 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
 
 
 def make_eval_step(config: ml_collections.ConfigDict) -> Callable[[Any, jax.Array], jax.Array]:
-    """eval_step(params, batch [B, L+1]) -> mean loss, one micro-batch at a time as in training."""
+    """eval_step(params, batch [B, L+1]) -> each row's mean loss [B], one micro-batch at a time as in training."""
     num_micro = max(1, int(config.microbatches))
+
+    def row_losses(params: Any, micro_BxLp1: jax.Array) -> jax.Array:
+        return _loss_and_collections(params, config.model, micro_BxLp1, None, ())[0].mean(axis=1)
 
     def eval_step(params: Any, batch_BxLp1: jax.Array) -> jax.Array:
         if num_micro == 1:
-            return cross_entropy(params, config.model, batch_BxLp1, None)
-        losses_M = jax.lax.map(lambda micro_BxLp1: cross_entropy(params, config.model, micro_BxLp1, None),
-                               split_microbatches(batch_BxLp1, num_micro))
-        return losses_M.mean()  # equal-sized micro-batches: the mean of their means is the batch's mean
+            return row_losses(params, batch_BxLp1)
+        losses_MxB = jax.lax.map(lambda micro_BxLp1: row_losses(params, micro_BxLp1),
+                                 split_microbatches(batch_BxLp1, num_micro))
+        return losses_MxB.T.reshape(-1)  # micro-batch m held rows m, m+M, ...: back in row order
     return eval_step

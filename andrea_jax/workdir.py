@@ -57,16 +57,16 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
 def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict, workdir: str) -> None:
     """The new config must build the same model as the saved one (other keys may change).
 
-    model.vocab_size=0 (not yet taken from the tokenizer) is checked once it is resolved.
+    A saved model.vocab_size=0 is a run stopped before it knew its tokenizer: the tokenizer.json it
+    may have written decides.
     """
     for key in SHAPE_KEYS:
-        old, new = saved.model.get(key), config.model.get(key)  # saved: read over the defaults
-        if key == "vocab_size" and new == 0:
+        old, new = saved.model[key], config.model[key]
+        if key == "vocab_size" and 0 in (old, new):
             continue
         if old != new:
-            raise ConfigError(
-                f"{workdir} holds a run with model.{key}={old}, not {new}; "
-                f"pass --config.model.{key}={old} to resume it, or use a new --workdir")
+            raise ConfigError(f"{workdir} holds a run with model.{key}={old}, not {new}; "
+                              f"pass --config.model.{key}={old}, or use a new --workdir")
 
 
 def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:

@@ -21,19 +21,18 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from andrea_jax.data import batcher, sources, text_builder, token_cache  # noqa: E402
+from andrea_jax.data import batcher, local_files, sources, token_cache  # noqa: E402
 from andrea_jax.data import tokenizer as tokenizers  # noqa: E402
-from andrea_jax.data.tokenizer import utf8_bytes  # noqa: E402
 
 
 def stdlib_texts(megabytes: float) -> list[str]:
     """About `megabytes` of standard-library source, files spread over the tree."""
-    _, files = text_builder.list_stdlib_files()
+    _, files = local_files.list_stdlib_files()
     texts, size, limit = [], 0, megabytes * 1e6
     for path in files[::2] + files[1::2]:
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             texts.append(f.read())
-        size += len(utf8_bytes(texts[-1]))
+        size += len(texts[-1].encode())
         if size >= limit:
             break
     return texts
@@ -53,7 +52,7 @@ def main() -> None:
     rows = []
 
     texts = stdlib_texts(args.megabytes)
-    megabytes = sum(len(utf8_bytes(t)) for t in texts) / 1e6
+    megabytes = sum(len(t.encode()) for t in texts) / 1e6
     bpe, seconds = timed(tokenizers.train_bpe, texts)
     rows.append(("BPE training (8192 merges)", f"{seconds:.2f} s",
                  f"{megabytes:.1f} MB, {megabytes / seconds:.2f} MB/s, vocab {bpe.vocab_size}"))
@@ -65,9 +64,6 @@ def main() -> None:
                      f"{megabytes * 1e6 / num_tokens:.2f} bytes/token"))
 
     with tempfile.TemporaryDirectory() as scratch:
-        root, files = text_builder.list_stdlib_files()
-        _, seconds = timed(text_builder.prepare_local_dataset, root, files, scratch)
-        rows.append(("stdlib -> TFDS array_record", f"{seconds:.2f} s", f"{len(files)} files"))
         documents = sources.ListDocuments(texts)
         identity = {"bench": "stdlib", "megabytes": args.megabytes}
         split, seconds = timed(token_cache.build, documents, bpe, scratch, "train", identity, False)

@@ -1,5 +1,6 @@
 """The ablation switches: what each changes (shapes, counts, the forward equation), and that the default is untouched."""
 
+import json
 import math
 
 import flax.linen as nn
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from andrea_jax import interop, model, sampling, summary
+from andrea_jax import workdir as run_dir
 from andrea_jax.config import ConfigError, base_config, validate, validate_model
 from tests.test_model import forward, init, np_forward, np_gelu_tanh, np_layer_norm, small_model
 
@@ -266,10 +268,13 @@ def test_non_gpt2_features_name_each_switch():
     assert model.non_gpt2_features(small_model(mlp_ratio=4.0)) == []  # width is a shape interop checks itself
 
 
-def test_a_config_saved_before_the_switches_existed_still_builds_the_default():
+def test_a_config_saved_before_the_switches_existed_still_builds_the_default(tmp_path):
     keys = ("norm_position", "residual", "activation", "mlp_ratio")
-    old = ml_collections.ConfigDict({k: v for k, v in base_config().model.to_dict().items() if k not in keys})
-    assert not any(k in old for k in keys)
+    saved = json.loads(base_config().to_json())
+    for key in keys:
+        del saved["model"][key]
+    (tmp_path / "config.json").write_text(json.dumps({"project": "andrea-jax", "config": saved}))
+    old = run_dir.load_saved_config(str(tmp_path)).model  # read over the defaults: the one place they live
     validate_model(old)
     assert model.mlp_hidden_dim(old) == 3072 and model.non_gpt2_features(old) == []
     assert summary.count(summary.param_shapes(old)) == ANDREA_PARAMS

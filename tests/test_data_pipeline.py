@@ -49,7 +49,7 @@ def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path):
     # 121 files: every 10th of them is validation.
     assert first.train.manifest["num_documents"] == 109 and first.val.manifest["num_documents"] == 12
     total_bytes = sum(os.path.getsize(p) for p in corpus.iterdir())
-    assert first.train.num_bytes + first.val.num_bytes == total_bytes
+    assert first.train.num_bytes + first.val.num_bytes == total_bytes + 2  # the latin-1 byte reads as U+FFFD
     text = tokenizer.decode(first.train.tokens[:200])
     assert text.startswith("def function_0_0(x):\n")
 
@@ -107,7 +107,7 @@ def test_resuming_with_another_tokenizer_kind_is_refused(tmp_path):
 
 def test_tokenizer_file_from_the_config_is_copied_into_the_workdir(tmp_path):
     path = tmp_path / "mine.json"
-    tokenizers.build_char(["abcdefghijklmnopqrstuvwxyz _(),:-\n+*#0123456789éäç✓\udce9"]).save(path)
+    tokenizers.build_char(["abcdefghijklmnopqrstuvwxyz _(),:-\n+*#0123456789éäç✓\ufffd"]).save(path)
     corpus = make_corpus(tmp_path / "corpus")
     config = make_config(tmp_path, f"text:{corpus}", tokenizer=str(path))
     prepared = pipeline.prepare(config, str(tmp_path / "run"))

@@ -11,7 +11,7 @@ from andrea_jax.data import DataError, token_cache
 from andrea_jax.data.sources import ListDocuments
 from andrea_jax.data.tokenizer import ByteTokenizer, CharTokenizer
 
-DOCS = ["first doc é", "", "second 😀", "caf\udce9 escaped"]
+DOCS = ["first doc é", "", "second 😀", "café"]
 IDENTITY = {"source": "test", "split_rule": "none"}
 
 
@@ -27,15 +27,24 @@ def test_documents_are_encoded_with_end_of_text_after_each(tmp_path):
     expected = []
     for doc in DOCS:
         if doc:  # empty documents add nothing
-            expected += list(doc.encode("utf-8", "surrogateescape")) + [256]
+            expected += list(doc.encode("utf-8")) + [256]
     assert split.tokens.dtype == np.uint16
     assert split.tokens.tolist() == expected
     assert split.num_tokens == len(expected)
-    assert split.num_bytes == sum(len(d.encode("utf-8", "surrogateescape")) for d in DOCS)
+    assert split.num_bytes == sum(len(d.encode("utf-8")) for d in DOCS)
     manifest = split.manifest
     assert (manifest["format_version"], manifest["source"], manifest["vocab_size"]) == (1, IDENTITY, 257)
     assert manifest["tokenizer_sha256"] == ByteTokenizer().sha256
     assert sorted(os.listdir(directory)) == ["train.bin", "train.json"]
+
+
+def test_a_tokenizer_without_end_of_text_joins_documents(tmp_path):
+    """nanoGPT's char vocabulary has no end-of-text: the documents abut, as in its train.bin."""
+    documents = ["abc", "", "ca\nb"]
+    tokenizer = CharTokenizer("abc\n", end_of_text=False)
+    _, split = build(tmp_path, documents, tokenizer)
+    assert split.tokens.tolist() == tokenizer.encode("abcca\nb") == [1, 2, 3, 3, 1, 0, 2]
+    assert split.manifest["eot_id"] is None and split.manifest["vocab_size"] == 4
 
 
 def test_many_batches_match_one_encoding(tmp_path):

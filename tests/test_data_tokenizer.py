@@ -1,10 +1,11 @@
 import json
 import os
+import pickle
 
 import numpy as np
 import pytest
 
-from andrea_jax.data import DataError, text_builder
+from andrea_jax.data import DataError, local_files
 from andrea_jax.data import tokenizer as tokenizers
 
 SAMPLES = [
@@ -14,8 +15,6 @@ SAMPLES = [
     "literal <|endoftext|> inside a document",
     "",
 ]
-# Bytes that are not UTF-8, as a file read with errors="surrogateescape" holds them.
-ESCAPED = b"caf\xe9 \xff\xfe ok \xc3".decode("utf-8", "surrogateescape")
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
                            "tinyshakespeare.txt")
 
@@ -23,10 +22,10 @@ SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "dat
 @pytest.fixture(scope="module")
 def bpe():
     """The full 8449-entry BPE, trained on a few MB of standard-library source."""
-    root, files = text_builder.list_stdlib_files()
+    root, files = local_files.list_stdlib_files()
     texts, size = [], 0
     for path in files[::3]:
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             texts.append(f.read())
         size += len(texts[-1])
         if size > 3_000_000:
@@ -40,8 +39,7 @@ def test_bpe_has_exactly_8449_entries_with_end_of_text_last(bpe):
     assert bpe.eot_id == 8448
     assert bpe.decode([bpe.eot_id]) == "<|endoftext|>"
     # The first 256 ids are the 256 single bytes, in some order.
-    assert sorted(bpe.decode([i], errors="surrogateescape").encode("utf-8", "surrogateescape")
-                  for i in range(256)) == [bytes([b]) for b in range(256)]
+    assert sorted(bpe._table[i] for i in range(256)) == [bytes([b]) for b in range(256)]
 
 
 @pytest.mark.parametrize("name", ["bpe", "byte"])
@@ -50,9 +48,6 @@ def test_round_trip_is_exact_for_any_text(name, bpe):
     for text in SAMPLES:
         assert tokenizer.decode(tokenizer.encode(text)) == text
     assert tokenizer.encode_batch(SAMPLES) == [tokenizer.encode(t) for t in SAMPLES]
-    # Undecodable bytes survive encode/decode exactly.
-    assert tokenizer.decode(tokenizer.encode(ESCAPED), errors="surrogateescape") == ESCAPED
-    assert "\ufffd" in tokenizer.decode(tokenizer.encode(ESCAPED))
 
 
 def test_bpe_compresses_source_code(bpe):
@@ -66,7 +61,7 @@ def test_decode_of_arbitrary_ids_never_raises(bpe):
         ids = rng.integers(-5, tokenizer.vocab_size + 200, size=500).tolist()
         text = tokenizer.decode(ids)
         assert isinstance(text, str) and len(text) > 0
-        text.encode("utf-8")  # printable: no lone surrogates with the default errors
+        text.encode("utf-8")  # printable: no lone surrogates
 
 
 def test_byte_tokenizer_is_257_bytes_plus_end_of_text():
@@ -95,24 +90,81 @@ def test_char_tokenizer_of_tinyshakespeare_has_65_plus_1_entries():
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
-@pytest.mark.parametrize("name", ["bpe", "byte", "char"])
+@pytest.mark.parametrize("name", ["bpe", "byte", "char", "char without end-of-text"])
 def test_save_and_load_keep_ids_and_hash(name, bpe, tmp_path):
     tokenizer = {"bpe": bpe, "byte": tokenizers.ByteTokenizer(),
-                 "char": tokenizers.build_char(SAMPLES + [ESCAPED])}[name]
+                 "char": tokenizers.build_char(SAMPLES),
+                 "char without end-of-text": tokenizers.CharTokenizer("".join(SAMPLES), end_of_text=False),
+                 }[name]
     path = tmp_path / "tokenizer.json"
     tokenizer.save(path)
     loaded = tokenizers.load(path)
-    assert (loaded.kind, loaded.vocab_size, loaded.eot_id) == (name, tokenizer.vocab_size,
+    assert (loaded.kind, loaded.vocab_size, loaded.eot_id) == (tokenizer.kind, tokenizer.vocab_size,
                                                                tokenizer.eot_id)
     assert loaded.sha256 == tokenizer.sha256
-    assert loaded.encode_batch(SAMPLES + [ESCAPED]) == tokenizer.encode_batch(SAMPLES + [ESCAPED])
+    assert loaded.encode_batch(SAMPLES) == tokenizer.encode_batch(SAMPLES)
     assert not list(tmp_path.glob("*.tmp*"))
 
 
 def test_hash_differs_between_tokenizers(bpe):
-    hashes = {bpe.sha256, tokenizers.ByteTokenizer().sha256,
-              tokenizers.build_char(["ab"]).sha256, tokenizers.build_char(["abc"]).sha256}
-    assert len(hashes) == 4
+    hashes = {bpe.sha256, tokenizers.ByteTokenizer().sha256, tokenizers.build_char(["ab"]).sha256,
+              tokenizers.build_char(["abc"]).sha256, tokenizers.CharTokenizer("abc", end_of_text=False).sha256}
+    assert len(hashes) == 5
+
+
+def nanogpt_meta(text: str) -> dict:
+    """The meta.pkl content nanoGPT's shakespeare_char/prepare.py writes."""
+    chars = sorted(set(text))
+    return {"vocab_size": len(chars), "itos": {i: c for i, c in enumerate(chars)},
+            "stoi": {c: i for i, c in enumerate(chars)}}
+
+
+@pytest.mark.parametrize("protocol", [1, 2, 3, 4, 5])
+def test_nanogpt_meta_pkl_is_a_char_tokenizer_without_end_of_text(tmp_path, protocol):
+    text = "First Citizen:\nBefore we proceed any further, hear me speak. ¿Qué? 日本"
+    meta = nanogpt_meta(text)
+    path = tmp_path / "meta.pkl"
+    path.write_bytes(pickle.dumps(meta, protocol=protocol))
+    tokenizer = tokenizers.load(path)
+    assert (tokenizer.kind, tokenizer.vocab_size, tokenizer.eot_id) == ("char", meta["vocab_size"], None)
+    assert tokenizer.encode(text) == [meta["stoi"][c] for c in text]
+    assert tokenizer.decode(tokenizer.encode(text) + [meta["vocab_size"]]) == text + "\ufffd"  # no end-of-text id
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)  # what a general unpickle would run
+
+
+def test_meta_pkl_other_than_a_plain_dict_is_refused_unrun(tmp_path):
+    marker = str(tmp_path / "unpickled")
+    good = nanogpt_meta("abc")
+    cases = {
+        "code": ({**good, "payload": _RunsCode(marker)}, "opcode"),
+        "a list": ({**good, "itos": list("abc")}, "EMPTY_LIST"),
+        "a float": ({**good, "vocab_size": 3.0}, "BINFLOAT"),
+        "unsorted": ({**good, "itos": {0: "b", 1: "a", 2: "c"}}, "sorted order"),
+        "stoi off": ({**good, "stoi": {"a": 1, "b": 0, "c": 2}}, "inverse of itos"),
+        "no itos": ({"vocab_size": 3}, "no itos"),
+        "not a dict": ([good], "EMPTY_LIST"),
+    }
+    for name, (content, words) in cases.items():
+        path = tmp_path / f"{name}.pkl"
+        path.write_bytes(pickle.dumps(content))
+        with pytest.raises(DataError, match=words) as error:
+            tokenizers.load(path)
+        assert "not nanoGPT's character vocabulary" in str(error.value) and "\n" not in str(error.value), name
+    path = tmp_path / "protocol0.pkl"
+    path.write_bytes(pickle.dumps(good, protocol=0))  # text opcodes: nanoGPT never writes them
+    with pytest.raises(DataError, match="opcode"):
+        tokenizers.load(path)
+    path.write_bytes(pickle.dumps(good)[:-5])
+    with pytest.raises(DataError, match="unreadable"):
+        tokenizers.load(path)
+    assert not os.path.exists(marker)
 
 
 def test_bpe_stops_at_the_merges_a_small_text_allows():

@@ -12,9 +12,12 @@ import ml_collections
 import numpy as np
 import pytest
 
-from andrea_jax import checkpoint, evaluate, metrics, sampling, train_loop, train_step
+from andrea_jax import checkpoint, evaluate, metrics, train_loop, train_step
 from andrea_jax import workdir as run_dir
+from andrea_jax.config import ConfigError
+from andrea_jax.data.tokenizer import CharTokenizer
 from tests.test_checkpoint import tiny_config
+from tests.test_sampling import greedy_without_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,11 +94,44 @@ def test_greedy_sample_follows_the_model(trained):
     text = evaluate.continue_text(restored, "the ", max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0,
                                   seed=0)
     tokenizer = restored.tokenizer
-    reference = sampling.greedy_without_cache(jax.device_get(restored.params), restored.config.model,
+    reference = greedy_without_cache(jax.device_get(restored.params), restored.config.model,
                                               tokenizer.encode("the "), 12)
     if tokenizer.eot_id in reference:
         reference = reference[:reference.index(tokenizer.eot_id)]
     assert text == tokenizer.decode(reference)
+
+
+def test_sampling_without_end_of_text_runs_to_the_budget_and_says_so(tmp_path, capsys):
+    """nanoGPT's char vocabulary (as an import of its meta.pkl gives) has no end-of-text to stop at."""
+    from andrea_jax import model, sharding
+
+    tokenizer = CharTokenizer("the quick brown fox", end_of_text=False)
+    config = tiny_config(tmp_path)
+    config.model.vocab_size = tokenizer.vocab_size
+    shapes = sharding.unbox(jax.eval_shape(lambda key: model.init_params(config.model, key), jax.random.key(0)))
+    params = jax.tree.map(lambda s: np.random.default_rng(0).normal(0, 0.5, s.shape).astype(s.dtype), shapes)
+    restored = evaluate.Restored(params, 0, config, tokenizer, sharding.make_mesh(config, jax.devices()[:1]))
+    sample = evaluate.continue_text(restored, "the ", max_new_tokens=9, temperature=1.0, top_k=0, top_p=1.0, seed=0)
+    assert len(sample) == 9 and "no end-of-text token, so the sample cannot stop early" in capsys.readouterr().out
+    with pytest.raises(evaluate.EvalError, match="pass a --prompt"):
+        evaluate.continue_text(restored, "", max_new_tokens=9, temperature=1.0, top_k=0, top_p=1.0, seed=0)
+
+
+@pytest.mark.slow
+def test_a_tokenizer_without_end_of_text_trains_and_scores(tmp_path):
+    config = tiny_config(tmp_path, steps=2, eval_every=2, log_every=1, checkpoint_every=2)
+    corpus = config.data.source.removeprefix("text:")
+    text = "".join(open(os.path.join(corpus, name)).read() for name in sorted(os.listdir(corpus)))
+    CharTokenizer(text, end_of_text=False).save(tmp_path / "nanogpt_chars.json")
+    config.data.tokenizer = str(tmp_path / "nanogpt_chars.json")
+    workdir = str(tmp_path / "run")
+    train_loop.train(config, workdir, devices=jax.devices()[:1])
+    restored = evaluate.restore(workdir, evaluate.run_config(workdir))
+    assert restored.step == 2 and restored.tokenizer.eot_id is None
+    assert restored.config.model.vocab_size == len(set(text))
+    split = evaluate.validation_split(restored.config, restored.tokenizer)
+    assert split.num_tokens == split.num_bytes  # one token per (ASCII) character, no separators
+    assert np.isfinite(evaluate.score(restored, split, batches=1)["loss"])
 
 
 def test_missing_workdir_and_bad_flags_fail_with_one_line(tmp_path):
@@ -131,6 +167,10 @@ def test_a_run_without_checkpoints_or_config(trained, tmp_path):
         evaluate.run_config(str(workdir))
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint for step 3 .*available steps: 5, 10"):
         evaluate.restore(trained, evaluate.run_config(trained), step=3)
+    other_shape = evaluate.run_config(trained)
+    other_shape.model.d_model = 32
+    with pytest.raises(ConfigError, match="holds a run with model.d_model=64, not 32; pass --config.model.d_model=64"):
+        evaluate.restore(trained, other_shape)
 
 
 def test_a_run_recorded_with_the_tpu_kernel_is_evaluated_with_this_machines_attention(tmp_path):

@@ -61,6 +61,17 @@ def test_automatic_choice_is_the_fewest_that_fit(peaks):
     assert len(lines) == 1 and "microbatches=1:" in lines[0] and "using microbatches=2" in lines[0]
 
 
+def test_the_eval_step_is_compiled_only_for_the_count_that_fits(peaks, monkeypatch):
+    from andrea_jax import train_step
+    compiled_evals, make_eval_step = [], train_step.make_eval_step
+    monkeypatch.setattr(train_step, "make_eval_step",
+                        lambda config: compiled_evals.append(config.microbatches) or make_eval_step(config))
+    lines = []
+    steps = fit_on_cpu(small_config(microbatches=0), int(peaks[4] / fit.HEADROOM) + 1, report=lines.append)
+    assert steps.config.microbatches == 4 and compiled_evals == [4]
+    assert "microbatches=2: the train step needs" in lines[0]
+
+
 def test_no_limit_means_one_microbatch():
     assert fit_on_cpu(small_config(microbatches=0), None).config.microbatches == 1
 
@@ -89,7 +100,7 @@ def test_remat_comes_after_the_last_microbatch_count(monkeypatch):
     """When one sequence per device does not fit, remat is turned on and the search starts again."""
     tried = []
 
-    def fake_compile(config, mesh, abstract, shardings):
+    def fake_compile(config, mesh, abstract, shardings, usable=None):
         tried.append((config.microbatches, config.model.remat))
         remat_saving = 0.4 if config.model.remat else 1.0
         peak = int(1000 * remat_saving / config.microbatches)

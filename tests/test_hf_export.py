@@ -1,7 +1,12 @@
-"""Hugging Face export and import: same logits in transformers, same params back, clear refusals."""
+"""Hugging Face export and import: same logits in transformers, same params back, clear refusals;
+nanoGPT checkpoints in, with the logits of nanoGPT's own forward pass."""
 
+import importlib.util
 import json
 import os
+import pickle
+import subprocess
+import sys
 
 import jax
 import ml_collections
@@ -14,6 +19,7 @@ from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.sharding import unbox
 
 TEXT = "def add(a, b):\n    return a + b  # the sum\n\nclass Point:\n    x: int = 0\n" * 40
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_config(vocab_size: int, corpus: str) -> ml_collections.ConfigDict:
@@ -54,6 +60,14 @@ def run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exported(run):
     return hf_export.export(run["workdir"], str(run["root"] / "hf"))
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+    """get_config() of the run_config.py an import writes, as train.py --config loads it."""
+    spec = importlib.util.spec_from_file_location("run_config", os.path.join(workdir, hf_export.RUN_CONFIG_FILE))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def _flat(tree):
@@ -126,7 +140,7 @@ def test_imported_checkpoint_restores_as_a_training_state(run, exported, tmp_pat
 
     workdir = str(tmp_path / "finetune")
     hf_export.import_run(exported, workdir, run["config"])
-    config = hf_export.load_config_file(os.path.join(workdir, hf_export.RUN_CONFIG_FILE))
+    config = load_run_config(workdir)
     mesh = sharding.make_mesh(config, jax.devices()[:1])
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.rules(config)):
         boxed = jax.eval_shape(lambda key: train_step.init_state(key, config, optimizer.make(config)),
@@ -135,7 +149,7 @@ def test_imported_checkpoint_restores_as_a_training_state(run, exported, tmp_pat
     saved = checkpoint.Checkpointer(workdir, read_only=True)
     try:
         state, meta = saved.restore(checkpoint.abstract_like(unbox(boxed), shardings),
-                                    tokenizer_sha256=run["tokenizer"].sha256, model_config=config.model)
+                                    tokenizer_sha256=run["tokenizer"].sha256)
     finally:
         saved.close()
     assert meta["step"] == 0 and meta["config"]["model"]["d_model"] == 64
@@ -150,7 +164,7 @@ def test_imported_run_fine_tunes_in_train(run, exported, tmp_path, capsys):
 
     workdir = str(tmp_path / "finetune")
     hf_export.import_run(exported, workdir, run["config"])
-    config = hf_export.load_config_file(os.path.join(workdir, hf_export.RUN_CONFIG_FILE))
+    config = load_run_config(workdir)
     record = train_loop.train(config, workdir, devices=jax.devices()[:1])
     assert f"resumed from step 0 of {workdir}" in capsys.readouterr().out
     assert np.isfinite(record["loss"])
@@ -158,11 +172,12 @@ def test_imported_run_fine_tunes_in_train(run, exported, tmp_path, capsys):
         assert [json.loads(line)["step"] for line in f if "loss" in line][-1] == 1
 
 
-@pytest.mark.parametrize("kind", ["byte", "char"])
+@pytest.mark.parametrize("kind", ["byte", "char", "char without end-of-text"])
 def test_byte_and_char_tokenizers_export_with_the_same_ids(kind):
     from tokenizers import Tokenizer as HfTokenizer
 
-    ours = tokenizers.ByteTokenizer() if kind == "byte" else tokenizers.build_char([TEXT + "é"])
+    ours = tokenizers.ByteTokenizer() if kind == "byte" else \
+        tokenizers.CharTokenizer(TEXT + "é", end_of_text=kind == "char")
     hf = HfTokenizer.from_str(hf_export.hf_tokenizer_json(ours))
     text = TEXT[:200] + ("é ü 日本 🙂" if kind == "byte" else "é")
     ids = ours.encode(text)
@@ -181,7 +196,7 @@ def test_nanogpt_checkpoint_imports_with_linear_weights_transposed(run, tmp_path
     path = tmp_path / "ckpt.pt"
     torch.save({"model": nanogpt, "model_args": dict(n_layer=2, n_head=4, n_embd=64, block_size=32,
                                                      vocab_size=m.vocab_size, bias=True)}, path)
-    params, overrides = hf_export.load_gpt2(str(path), m)
+    params, overrides = hf_export.to_params(*hf_export.read_state_dict(str(path)), m)
     assert overrides["vocab_size"] == m.vocab_size and overrides["mlp_dim"] == 256
     _assert_same_params(params, run["params"], m.vocab_size)
 
@@ -200,61 +215,237 @@ def test_gpt2model_names_without_prefix_are_read(run, exported, tmp_path):
 
 # ---- bad input: one line naming the fix, exit 2, nothing written ----
 
-def _fails(capsys, argv, *words):
-    with pytest.raises(SystemExit) as exit_info:
-        hf_export.main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+def _refuses(call, *words):
+    with pytest.raises((hf_export.ExportError, ValueError, evaluate.EvalError)) as error:
+        call()
+    message = str(error.value)
+    assert len(message.splitlines()) == 1, message
     for word in words:
-        assert word in err, err
+        assert word in message, message
 
 
-def test_export_without_checkpoint_refuses(run, tmp_path, capsys):
+def _command(*args, cwd=ROOT):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "andrea_jax.hf_export", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_command_line_errors_are_one_line(run, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    for args, words in [(["export", "--workdir", run["workdir"], "--out", str(out)], ["--overwrite"]),
+                        (["--workdir", str(tmp_path / "new")], ["say export or import first;"])]:
+        result = _command(*args)
+        err = result.stderr.strip()
+        assert result.returncode == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+        assert all(word in err for word in words), err
+    assert os.listdir(out) == ["keep.txt"] and not (tmp_path / "new").exists()
+
+
+def test_export_without_checkpoint_refuses(run, tmp_path):
     workdir = tmp_path / "untrained"
     workdir.mkdir()
     for name in ("config.json", "tokenizer.json"):
         (workdir / name).write_text(open(os.path.join(run["workdir"], name)).read())
     out = tmp_path / "out"
-    _fails(capsys, ["export", "--workdir", str(workdir), "--out", str(out)], "no checkpoint", "train first")
+    _refuses(lambda: hf_export.export(str(workdir), str(out)), "no checkpoint", "train first")
     assert not out.exists()
 
 
-def test_non_gpt2_architecture_refuses(tmp_path, capsys):
+def test_non_gpt2_architecture_refuses(tmp_path):
     hf_dir = tmp_path / "llama"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     workdir = tmp_path / "new"
-    _fails(capsys, ["import", "--hf", str(hf_dir), "--workdir", str(workdir)], "LlamaForCausalLM", "not GPT-2")
+    _refuses(lambda: hf_export.import_run(str(hf_dir), str(workdir)), "LlamaForCausalLM", "not GPT-2")
     assert not workdir.exists()
 
 
-def test_exact_gelu_gpt2_refuses(exported, tmp_path, capsys):
-    hf_dir = tmp_path / "erf"
+def test_other_activation_refuses(exported, tmp_path):
+    hf_dir = tmp_path / "quick_gelu"
     hf_dir.mkdir()
     config = json.load(open(os.path.join(exported, "config.json")))
-    (hf_dir / "config.json").write_text(json.dumps({**config, "activation_function": "gelu"}))
-    _fails(capsys, ["import", "--hf", str(hf_dir), "--workdir", str(tmp_path / "new")], "gelu_new")
+    (hf_dir / "config.json").write_text(json.dumps({**config, "activation_function": "quick_gelu"}))
+    _refuses(lambda: hf_export.import_run(str(hf_dir), str(tmp_path / "new")), "quick_gelu", "gelu_new", "'gelu'")
 
 
-def test_non_empty_output_needs_overwrite(run, tmp_path, capsys):
+def test_non_empty_output_needs_overwrite(run, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    _fails(capsys, ["export", "--workdir", run["workdir"], "--out", str(out)], "--overwrite")
+    _refuses(lambda: hf_export.export(run["workdir"], str(out)), "--overwrite")
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
-    _fails(capsys, ["export", "--workdir", run["workdir"], "--out", run["workdir"], "--overwrite"], "its own source")
+    _refuses(lambda: hf_export.export(run["workdir"], run["workdir"], overwrite=True), "its own source")
     assert os.path.isdir(os.path.join(run["workdir"], "checkpoints"))
-    hf_export.main(["export", "--workdir", run["workdir"], "--out", str(out), "--overwrite"])
+    hf_export.export(run["workdir"], str(out), overwrite=True)
     assert "keep.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
 
 
-def test_ablated_architecture_refuses_export(run, tmp_path, capsys):
+def test_ablated_architecture_refuses_export(run, tmp_path):
     workdir = tmp_path / "post_norm"
     workdir.mkdir()
     saved = json.load(open(os.path.join(run["workdir"], "config.json")))
     saved["config"]["model"]["norm_position"] = "post"
     (workdir / "config.json").write_text(json.dumps(saved))
-    _fails(capsys, ["export", "--workdir", str(workdir), "--out", str(tmp_path / "out")], "not GPT-2's",
-           "norm_position")
+    _refuses(lambda: hf_export.export(str(workdir), str(tmp_path / "out")), "not GPT-2's", "norm_position")
     assert not (tmp_path / "out").exists()
+
+
+# ---- nanoGPT: its checkpoint and meta.pkl as its user has them ----
+
+CHAR_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
+
+
+def nanogpt_state_dict(vocab_rows: int, bias: bool, seed: int = 0, n_layer: int = 2, d: int = 64,
+                       block_size: int = 32) -> dict:
+    """A random nanoGPT GPT's state dict: its names, nn.Linear (out, in) weights, no biases when bias=False."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, std=0.2, mean=0.0):
+        return torch.from_numpy((mean + std * rng.standard_normal(shape)).astype(np.float32))
+
+    sd = {"transformer.wte.weight": normal(vocab_rows, d, std=0.5), "transformer.wpe.weight": normal(block_size, d)}
+    layers = {"ln_1": (d,), "attn.c_attn": (3 * d, d), "attn.c_proj": (d, d), "ln_2": (d,), "mlp.c_fc": (4 * d, d),
+              "mlp.c_proj": (d, 4 * d)}
+    named = {f"transformer.h.{i}.{name}": shape for i in range(n_layer) for name, shape in layers.items()}
+    for name, shape in {**named, "transformer.ln_f": (d,)}.items():
+        sd[name + ".weight"] = normal(*shape, mean=1.0) if len(shape) == 1 else normal(*shape)
+        if bias:
+            sd[name + ".bias"] = normal(shape[0], std=0.1)
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]  # tied: one tensor, as nanoGPT saves it
+    return sd
+
+
+def nanogpt_logits(sd: dict, n_head: int, ids_BxL: np.ndarray) -> np.ndarray:
+    """nanoGPT's forward pass on its state dict in float64: nn.Linear layers, LayerNorm with optional bias,
+    causal scaled-dot-product attention, the exact GELU, the head tied to the token embedding."""
+    import torch
+    from torch.nn import functional as F
+
+    w = {k: v.double() for k, v in sd.items()}
+    linear = lambda x, name: F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+    norm = lambda x, name: F.layer_norm(x, x.shape[-1:], w[name + ".weight"], w.get(name + ".bias"), 1e-5)
+    batch, length = ids_BxL.shape
+    x = w["transformer.wte.weight"][torch.from_numpy(ids_BxL)] + w["transformer.wpe.weight"][:length]
+    heads = lambda t: t.view(batch, length, n_head, -1).transpose(1, 2)
+    for i in range(len({k.split(".")[2] for k in w if k.startswith("transformer.h.")})):
+        p = f"transformer.h.{i}."
+        q, k, v = linear(norm(x, p + "ln_1"), p + "attn.c_attn").split(x.shape[-1], dim=-1)
+        y = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + linear(y.transpose(1, 2).reshape(batch, length, -1), p + "attn.c_proj")
+        x = x + linear(F.gelu(linear(norm(x, p + "ln_2"), p + "mlp.c_fc")), p + "mlp.c_proj")
+    return linear(norm(x, "transformer.ln_f"), "lm_head").numpy()
+
+
+def write_nanogpt(out_dir, sd: dict, n_head: int, bias: bool, dataset: str = "shakespeare_char") -> str:
+    """out_dir/ckpt.pt as nanoGPT's train.py saves it, its model compiled (names under `_orig_mod.`)."""
+    import torch
+
+    parameters = [torch.nn.Parameter(v.clone()) for v in sd.values()]
+    optimizer = torch.optim.AdamW(parameters, lr=1e-3, betas=(0.9, 0.99))
+    sum(p.square().sum() for p in parameters).backward()
+    optimizer.step()
+    d, block_size = sd["transformer.wpe.weight"].shape[1], sd["transformer.wpe.weight"].shape[0]
+    model_args = dict(n_layer=len({k.split(".")[2] for k in sd if k.startswith("transformer.h.")}), n_head=n_head,
+                      n_embd=d, block_size=block_size, bias=bias, vocab_size=sd["lm_head.weight"].shape[0],
+                      dropout=0.0)
+    config = dict(dataset=dataset, out_dir=os.path.basename(out_dir), batch_size=12, learning_rate=1e-3,
+                  compile=True, device="cpu", dtype="float32", wandb_log=False, **model_args)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "ckpt.pt")
+    torch.save({"model": {"_orig_mod." + k: v for k, v in sd.items()}, "optimizer": optimizer.state_dict(),
+                "model_args": model_args, "iter_num": 100, "best_val_loss": torch.tensor(2.56), "config": config},
+               path)
+    return path
+
+
+def write_meta(directory, text: str) -> dict:
+    """nanoGPT's data/<dataset>/meta.pkl for a character-level text, as its prepare.py writes it."""
+    chars = sorted(set(text))
+    meta = {"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "meta.pkl"), "wb") as f:
+        pickle.dump(meta, f)
+    return meta
+
+
+def _assert_equal_logits(ours: np.ndarray, theirs: np.ndarray) -> None:
+    """Equal to float32 rounding: 1e-5 of the largest logit (the reference runs in float64)."""
+    assert ours.shape == theirs.shape and np.abs(theirs).max() > 3.0
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
+
+
+def _logits(workdir: str, ids_BxL: np.ndarray, **model_changes) -> np.ndarray:
+    restored = evaluate.restore(workdir, evaluate.run_config(workdir))
+    m = ml_collections.ConfigDict({**restored.config.model.to_dict(), **model_changes})
+    logits = model.build(m).apply({"params": jax.device_get(restored.params)}, ids_BxL)
+    return np.asarray(logits)[..., :m.vocab_size]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_nanogpt_char_checkpoint_gives_nanogpt_logits(tmp_path, bias):
+    sd = nanogpt_state_dict(len(set(CHAR_TEXT)), bias, seed=int(bias))
+    ckpt = write_nanogpt(str(tmp_path / "out-shakespeare-char"), sd, n_head=4, bias=bias)
+    meta = write_meta(tmp_path / "data" / "shakespeare_char", CHAR_TEXT)
+    workdir = str(tmp_path / "run")
+    # No --tokenizer: meta.pkl is found where nanoGPT's sample.py looks, data/<config dataset>/.
+    config = hf_export.import_run(ckpt, workdir)
+    assert config.model.activation == "gelu_exact" and config.model.vocab_size == meta["vocab_size"]
+    tokenizer = tokenizers.load(os.path.join(workdir, "tokenizer.json"))
+    assert (tokenizer.kind, tokenizer.eot_id, tokenizer.vocab_size) == ("char", None, meta["vocab_size"])
+    ids_BxL = np.array([tokenizer.encode(CHAR_TEXT[:32]), tokenizer.encode(CHAR_TEXT[-32:])])
+    assert ids_BxL[0].tolist() == [meta["stoi"][c] for c in CHAR_TEXT[:32]]
+    theirs = nanogpt_logits(sd, 4, ids_BxL)
+    _assert_equal_logits(_logits(workdir, ids_BxL), theirs)
+    # The exact GELU is what makes them equal: the tanh one misses by over ten times the tolerance.
+    assert np.abs(_logits(workdir, ids_BxL, activation="gelu_tanh") - theirs).max() > 1e-4 * np.abs(theirs).max()
+
+
+def test_nanogpt_import_as_typed_then_export_keeps_exact_gelu(tmp_path):
+    """`import --hf out-shakespeare-char/ckpt.pt` from nanoGPT's directory; the export says "gelu"."""
+    sd = nanogpt_state_dict(len(set(CHAR_TEXT)), bias=False)
+    write_nanogpt(str(tmp_path / "out-shakespeare-char"), sd, n_head=4, bias=False)
+    write_meta(tmp_path / "data" / "shakespeare_char", CHAR_TEXT)
+    workdir = str(tmp_path / "run")
+    result = _command("import", "--hf", "out-shakespeare-char/ckpt.pt", "--workdir", workdir, "--config",
+                      os.path.join(ROOT, "configs", "shakespeare_char.py"), "--config.steps=7", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "fine-tune with" in result.stdout and "GELU" not in result.stdout  # no note about a different GELU
+    config = load_run_config(workdir)
+    assert (config.steps, config.model.activation, config.data.tokenizer) == (7, "gelu_exact", "char")
+
+    exported = hf_export.export(workdir, str(tmp_path / "hf"))
+    hf_config = json.load(open(os.path.join(exported, "config.json")))
+    assert hf_config["activation_function"] == "gelu" and hf_config["eos_token_id"] is None
+    chars = sorted(set(CHAR_TEXT))
+    ids_BxL = np.array([[chars.index(c) for c in CHAR_TEXT[:24]]])
+    transformers = pytest.importorskip("transformers")
+    import torch
+    with torch.no_grad():
+        theirs = transformers.GPT2LMHeadModel.from_pretrained(exported).eval()(torch.from_numpy(ids_BxL)).logits
+    _assert_equal_logits(theirs.numpy(), nanogpt_logits(sd, 4, ids_BxL))
+
+    again = hf_export.import_run(exported, str(tmp_path / "again"))
+    assert again.model.activation == "gelu_exact"
+    assert tokenizers.load(os.path.join(tmp_path / "again", "tokenizer.json")).eot_id is None
+
+
+def test_nanogpt_gpt2_vocabulary_imports_with_vocab_and_merges(run, tmp_path):
+    """A GPT-2-vocabulary checkpoint (embedding padded, as nanoGPT pads 50257 to 50304) with
+    --tokenizer naming a directory of vocab.json + merges.txt; the padding rows are cut."""
+    bpe_dir = tmp_path / "gpt2"
+    bpe_dir.mkdir()
+    run["tokenizer"]._hf.model.save(str(bpe_dir))  # vocab.json + merges.txt, end-of-text added after
+    vocab = run["tokenizer"].vocab_size
+    sd = nanogpt_state_dict(vocab + 23, bias=True, seed=2)
+    ckpt = write_nanogpt(str(tmp_path / "out"), sd, n_head=4, bias=True, dataset="openwebtext")
+    workdir = str(tmp_path / "run")
+    config = hf_export.import_run(ckpt, workdir, tokenizer_path=str(bpe_dir))
+    assert config.model.vocab_size == vocab and config.data.tokenizer == "bpe"
+    tokenizer = tokenizers.load(os.path.join(workdir, "tokenizer.json"))
+    assert tokenizer.eot_id == run["tokenizer"].eot_id and tokenizer.encode(TEXT) == run["tokenizer"].encode(TEXT)
+    ids_BxL = np.array([tokenizer.encode(TEXT)[:32]])
+    _assert_equal_logits(_logits(workdir, ids_BxL), nanogpt_logits(sd, 4, ids_BxL)[..., :vocab])
+    _refuses(lambda: hf_export.import_run(ckpt, str(tmp_path / "none")), "no tokenizer", "meta.pkl", "--tokenizer")

@@ -1,15 +1,40 @@
 """Generation with a KV cache against full forward passes, and the sampling filters."""
 
+import functools
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
-from andrea_jax import interop, sampling
+from andrea_jax import interop, model, sampling
 from tests.test_model import forward, init, small_model
 
 PROMPT = [5, 17, 42, 8, 99]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _forward(params: dict, ids_BxL: jax.Array, model_config: ml_collections.FrozenConfigDict) -> jax.Array:
+    return model.build(model_config).apply({"params": params}, ids_BxL)
+
+
+def greedy_without_cache(params: dict, model_config: ml_collections.ConfigDict, prompt_ids: list[int],
+                         max_new_tokens: int) -> list[int]:
+    """The reference for the cached path: every step re-runs the whole sequence."""
+    sampling._check_prompt(model_config, prompt_ids)
+    m = ml_collections.FrozenConfigDict(model_config)
+    params = nn.meta.unbox(params)
+    ids = list(prompt_ids)
+    # Padded to max_len so one program serves every step; causal attention keeps the
+    # padding from reaching the position read.
+    while len(ids) < min(len(prompt_ids) + max_new_tokens, m.max_len):
+        padded_1xL = np.zeros((1, m.max_len), np.int32)
+        padded_1xL[0, :len(ids)] = ids
+        logits_V = _forward(params, jnp.asarray(padded_1xL), m)[0, len(ids) - 1, :m.vocab_size]
+        ids.append(int(jnp.argmax(logits_V)))
+    return ids[len(prompt_ids):]
 
 
 def model_and_params(scale=4.0, **options):
@@ -48,14 +73,14 @@ def test_prefill_and_decode_steps_give_the_full_forward_logits(options):
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_greedy_with_cache_equals_greedy_without(scan_layers):
     m, params = model_and_params(scan_layers=scan_layers)
-    expected = sampling.greedy_without_cache(params, m, PROMPT, max_new_tokens=11)
+    expected = greedy_without_cache(params, m, PROMPT, max_new_tokens=11)
     assert len(expected) == 11 and len(set(expected)) > 3  # not one token repeated
     assert sampling.generate(params, m, PROMPT, max_new_tokens=11, temperature=0.0) == expected
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():
     m, params = model_and_params()
-    greedy = sampling.greedy_without_cache(params, m, PROMPT, max_new_tokens=8)
+    greedy = greedy_without_cache(params, m, PROMPT, max_new_tokens=8)
     assert sampling.generate(params, m, PROMPT, max_new_tokens=8, top_k=1, seed=3) == greedy
     assert sampling.generate(params, m, PROMPT, max_new_tokens=8, top_p=1e-6, seed=3) == greedy
     # and plain sampling from these logits does differ, so the checks above mean something

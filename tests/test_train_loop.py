@@ -175,3 +175,14 @@ def test_a_workdir_copied_to_another_file_system_resumes_exactly(tmp_path):
         assert sorted(os.listdir(os.path.join(copied, "checkpoints"))) == ["4", "8"]
     finally:
         shutil.rmtree(copied)
+
+
+def test_a_run_killed_before_it_knew_its_tokenizer_resumes(tmp_path):
+    """Killed during data preparation: config.json is there, still with model.vocab_size=0."""
+    from andrea_jax import workdir as run_dir
+    workdir = str(tmp_path / "run")
+    config = loop_config(tmp_path, steps=2)
+    run_dir.save_config(workdir, config)
+    train_loop.train(config, workdir, devices=jax.devices()[:1])
+    assert [step for step, _ in losses(workdir)] == [2]
+    assert run_dir.load_saved_config(workdir).model.vocab_size == 257

@@ -57,8 +57,6 @@ def test_save_config_round_trip_and_compatibility(tmp_path):
     changed = base_config()
     changed.steps, changed.optimizer.learning_rate = 5, 1e-4  # not shapes: fine to change on resume
     run_dir.check_compatible(saved, changed, str(tmp_path))
-    changed.model.vocab_size = 0  # not resolved yet: checked later
-    run_dir.check_compatible(saved, changed, str(tmp_path))
     changed.model.d_model = 512
     with pytest.raises(ConfigError, match="model.d_model=768, not 512; pass --config.model.d_model=768"):
         run_dir.check_compatible(saved, changed, str(tmp_path))

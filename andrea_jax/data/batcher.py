@@ -7,8 +7,8 @@ builds only its rows of the global batch; `to_global` assembles the `jax.Array`.
 
 from __future__ import annotations
 
-import queue
-import threading
+import collections
+import concurrent.futures
 from typing import Callable
 
 import jax
@@ -29,10 +29,10 @@ def _local_rows(batch_size: int, process_index: int, process_count: int) -> slic
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
     # One contiguous slice a row: far faster on a memmap than a 2-D fancy index.
-    batch_BxL1 = np.empty((len(starts), seq_len + 1), np.int32)
+    batch_BxLp1 = np.empty((len(starts), seq_len + 1), np.int32)
     for row, start in enumerate(starts):
-        batch_BxL1[row] = tokens[start:start + seq_len + 1]
-    return batch_BxL1
+        batch_BxLp1[row] = tokens[start:start + seq_len + 1]
+    return batch_BxLp1
 
 
 def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,
@@ -49,20 +49,28 @@ def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, se
     return _windows(tokens, starts[rows], seq_len)
 
 
+def num_val_windows(num_tokens: int, seq_len: int) -> int:
+    """Consecutive, non-overlapping windows of seq_len + 1 tokens (sharing their edge tokens) in the split."""
+    return max(0, (num_tokens - 1) // seq_len)
+
+
 def num_val_batches(num_tokens: int, batch_size: int, seq_len: int) -> int:
-    """Whole batches of consecutive, non-overlapping windows in the validation split."""
-    return max(0, (num_tokens - 1) // seq_len) // batch_size
+    """Whole batches of validation windows in the split."""
+    return num_val_windows(num_tokens, seq_len) // batch_size
 
 
 def val_batch(tokens: np.ndarray, *, index: int, batch_size: int, seq_len: int,
               process_index: int = 0, process_count: int = 1) -> np.ndarray:
-    """Validation batch `index`: windows index*batch_size ... in order, this process's rows."""
-    available = num_val_batches(len(tokens), batch_size, seq_len)
-    if not 0 <= index < available:
-        raise DataError(f"validation batch {index} does not exist: the split has {available} "
-                        f"batches of {batch_size}x{seq_len}; ask for fewer eval batches")
+    """Validation batch `index`: windows index*batch_size ... in order, this process's rows.
+
+    In the split's last, partial batch the rows past its last window repeat window 0 (padding to drop)."""
+    available = num_val_windows(len(tokens), seq_len)
+    if not 0 <= index * batch_size < available:
+        raise DataError(f"validation batch {index} does not exist: the split has {available} windows "
+                        f"of {seq_len} tokens; ask for fewer eval batches")
     rows = _local_rows(batch_size, process_index, process_count)
-    starts = (index * batch_size + np.arange(batch_size)) * seq_len
+    windows = index * batch_size + np.arange(batch_size)
+    starts = np.where(windows < available, windows, 0) * seq_len
     return _windows(tokens, starts[rows], seq_len)
 
 
@@ -72,65 +80,38 @@ def to_global(local_batch: np.ndarray, sharding: jax.sharding.Sharding) -> jax.A
 
 
 class Prefetcher:
-    """Yields (step, global batch) from start_step on, built and put on device ahead.
-
-    A background thread keeps up to `depth` batches ready, so the accelerator
-    does not wait for the host. An error in `make_batch` is raised by `next`.
-    """
+    """Yields (step, global batch) from start_step on, each built and put on the devices `depth` steps
+    ahead by a background thread, so the accelerator does not wait for the host. An error in
+    `make_batch` is raised by `next`."""
 
     def __init__(self, make_batch: Callable[[int], np.ndarray], start_step: int,
                  sharding: jax.sharding.Sharding, depth: int = 2) -> None:
-        self._make_batch = make_batch
-        self._sharding = sharding
-        self._ready: queue.Queue = queue.Queue(maxsize=max(1, depth))
-        self._stopping = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._fill, args=(start_step,),
-                                        name="batch-prefetch", daemon=True)
-        self._thread.start()
+        self._build = lambda step: (step, to_global(make_batch(step), sharding))
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-prefetch")
+        self._ahead: collections.deque = collections.deque()
+        self._next_step, self._closed = start_step, False
+        for _ in range(max(1, depth)):
+            self._submit()
 
-    def _fill(self, step: int) -> None:
-        try:
-            while not self._stopping.is_set():
-                batch = to_global(self._make_batch(step), self._sharding)
-                if not self._put((step, batch)):
-                    return
-                step += 1
-        except BaseException as error:  # handed to the consumer, raised there
-            self._put(error)
-
-    def _put(self, item) -> bool:
-        while not self._stopping.is_set():
-            try:
-                self._ready.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
+    def _submit(self) -> None:
+        self._ahead.append(self._pool.submit(self._build, self._next_step))
+        self._next_step += 1
 
     def __iter__(self) -> "Prefetcher":
         return self
 
     def __next__(self) -> tuple[int, jax.Array]:
-        if self._error is not None:
-            raise self._error
-        if self._stopping.is_set():
+        if self._closed:
             raise StopIteration
-        item = self._ready.get()
-        if isinstance(item, BaseException):
-            self._error = item
-            raise item
-        return item
+        self._submit()
+        return self._ahead.popleft().result()
 
     def close(self) -> None:
         """Stops the thread and drops the batches it had ready."""
-        self._stopping.set()
-        while True:
-            try:
-                self._ready.get_nowait()
-            except queue.Empty:
-                break
-        self._thread.join(timeout=10)
+        self._closed = True
+        for future in self._ahead:
+            future.cancel()
+        self._pool.shutdown(wait=True)
 
     def __enter__(self) -> "Prefetcher":
         return self

@@ -35,7 +35,7 @@ class Prepared:
 
 
 def cache_dir_of(data: ml_collections.ConfigDict) -> str:
-    return os.path.expanduser(data.get("cache_dir", "") or "~/.cache/andrea_jax")
+    return os.path.expanduser(data.cache_dir or "~/.cache/andrea_jax")
 
 
 def training_sample(documents: Documents, max_bytes: int) -> list[str]:
@@ -66,7 +66,7 @@ def _all_texts(documents: Documents):
 
 
 def _check_vocab(tokenizer: Tokenizer, config: ml_collections.ConfigDict, described: str) -> None:
-    wanted = int(config.model.get("vocab_size", 0))
+    wanted = int(config.model.vocab_size)
     if wanted and tokenizer.vocab_size != wanted:
         raise DataError(
             f"{described} has {tokenizer.vocab_size} entries but model.vocab_size={wanted}; "
@@ -74,16 +74,16 @@ def _check_vocab(tokenizer: Tokenizer, config: ml_collections.ConfigDict, descri
 
 
 def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Tokenizer:
-    kind = str(config.data.get("tokenizer", "bpe"))
+    kind = str(config.data.tokenizer)
     if kind == "byte":
         return tokenizers.ByteTokenizer()
     if kind == "char":
         return tokenizers.build_char(_all_texts(train))
     if kind == "bpe":
-        wanted = int(config.model.get("vocab_size", 0))
+        wanted = int(config.model.vocab_size)
         # 256 byte tokens + merges + end-of-text: the model's size fixes the merges.
         merges = wanted - 257 if wanted > 257 else tokenizers.BPE_MERGES
-        sample = training_sample(train, int(config.data.get("tokenizer_train_bytes", 64_000_000)))
+        sample = training_sample(train, int(config.data.tokenizer_train_bytes))
         return tokenizers.train_bpe(sample, merges)
     if not os.path.isfile(kind):
         raise DataError(f"data.tokenizer={kind!r} is not 'bpe', 'byte', 'char' or an existing "
@@ -106,7 +106,7 @@ def tokenizer_for_run(config: ml_collections.ConfigDict, workdir: str, train: Do
     path = os.path.join(workdir, TOKENIZER_FILE)
     if os.path.exists(path):
         tokenizer = tokenizers.load(path)
-        _check_resumed_tokenizer(tokenizer, str(config.data.get("tokenizer", "bpe")), path)
+        _check_resumed_tokenizer(tokenizer, str(config.data.tokenizer), path)
         _check_vocab(tokenizer, config, path)
         return tokenizer
     tokenizer = _new_tokenizer(config, train)
@@ -131,7 +131,7 @@ def _check_sizes(config: ml_collections.ConfigDict, train: TokenSplit, val: Toke
 def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
     cache_dir = cache_dir_of(config.data)
     os.makedirs(workdir, exist_ok=True)
-    splits = sources.open_source(config.data, cache_dir)
+    splits = sources.open_source(config.data)
     tokenizer = tokenizer_for_run(config, workdir, splits.train)
     directory = token_cache.cache_directory(cache_dir, splits.identity, tokenizer.sha256)
     train = token_cache.load_or_build(splits.train, tokenizer, directory, "train", splits.identity)

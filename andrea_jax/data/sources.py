@@ -1,9 +1,9 @@
-"""`data.source` -> train and validation documents, read through TFDS.
+"""`data.source` -> train and validation documents.
 
 `tfds:NAME[/CONFIG]` opens a registered dataset (downloaded and prepared on
-first use), `text:PATH_OR_GLOB` and `stdlib` go through the project's own
-local-text builder. Validation is the dataset's own split when it has one,
-else every k-th document, else (few documents) the last fraction of the text.
+first use); `text:PATH_OR_GLOB` and `stdlib` read local files (`local_files.py`).
+Validation is the dataset's own split when it has one, else every k-th
+document, else (few documents) the last fraction of the text.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
-import os
 import re
 import socket
 import sys
@@ -20,7 +19,7 @@ from typing import Callable, Protocol, Sequence
 import ml_collections
 import tensorflow_datasets as tfds
 
-from andrea_jax.data import DataError, text_builder
+from andrea_jax.data import DataError, local_files
 
 # Below this many held-out documents the split is by text, not by document.
 MIN_VAL_DOCUMENTS = 10
@@ -37,8 +36,8 @@ class Documents(Protocol):
 
 
 def _as_text(value) -> str:
-    # TFDS Text features come back as bytes; escapes keep undecodable bytes exact.
-    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+    # TFDS Text features come back as bytes.
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +205,7 @@ def _check_not_empty(splits: Splits, described: str) -> Splits:
 def open_tfds(name: str, data: ml_collections.ConfigDict,
               network_check: Callable[[], bool] = network_available) -> Splits:
     """A registered TFDS dataset `NAME[/CONFIG]`: downloaded and prepared on first use."""
-    data_dir = data.get("tfds_data_dir", "") or None
+    data_dir = data.tfds_data_dir or None
     try:
         builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
     except tfds.core.registered.DatasetNotFoundError:
@@ -218,9 +217,7 @@ def open_tfds(name: str, data: ml_collections.ConfigDict,
 def splits_of_builder(builder, data: ml_collections.ConfigDict,
                       network_check: Callable[[], bool] = network_available) -> Splits:
     """Train/val documents of a TFDS builder (prepared here when it is not yet)."""
-    field = data.get("text_field", "text")
-    train_split = data.get("train_split", "train")
-    val_split = data.get("val_split", "validation")
+    field, train_split, val_split = data.text_field, data.train_split, data.val_split
     _check_field(builder, field)  # from the builder's code: fails before any download
     ensure_prepared(builder, network_check)
     available = set(builder.info.splits.keys())
@@ -231,32 +228,27 @@ def splits_of_builder(builder, data: ml_collections.ConfigDict,
     if val_split and val_split.split("[")[0] in available:
         val, rule = DataSourceDocuments(_open_split(builder, val_split), field), f"split {val_split}"
     else:
-        train, val, rule = hold_out(train, float(data.get("val_fraction", 0.05)))
+        train, val, rule = hold_out(train, float(data.val_fraction))
     identity = {"dataset": builder.info.full_name, "field": field, "train_split": train_split,
                 "val_rule": rule}
     return _check_not_empty(Splits(train, val, identity), builder.info.full_name)
 
 
-def open_local(root: str, files: Sequence[str], data: ml_collections.ConfigDict,
-               cache_dir: str) -> Splits:
-    """Local files through the local-text builder, one dataset per file set."""
-    key = text_builder.fingerprint(root, files)
-    builder = text_builder.prepare_local_dataset(root, files, os.path.join(cache_dir, "tfds", key))
-    local = ml_collections.ConfigDict(
-        dict(text_field="text", train_split="train", val_split="",
-             val_fraction=float(data.get("val_fraction", 0.05))))
-    splits = splits_of_builder(builder, local, network_check=lambda: True)
-    identity = {**splits.identity, "files": key, "num_files": len(files)}
-    return dataclasses.replace(splits, identity=identity)
+def open_local(root: str, files: Sequence[str], data: ml_collections.ConfigDict) -> Splits:
+    """Local files, one document each: every k-th held out, or (few files) the text's last fraction."""
+    documents = DataSourceDocuments(local_files.FileTexts(files), "text")
+    train, val, rule = hold_out(documents, float(data.val_fraction))
+    identity = {"files": local_files.fingerprint(root, files), "num_files": len(files), "val_rule": rule}
+    return _check_not_empty(Splits(train, val, identity), f"{len(files)} files under {root}")
 
 
-def open_source(data: ml_collections.ConfigDict, cache_dir: str) -> Splits:
+def open_source(data: ml_collections.ConfigDict) -> Splits:
     """The documents `data.source` names."""
-    source = str(data.get("source", "stdlib"))
+    source = str(data.source)
     if source == "stdlib":
-        splits = open_local(*text_builder.list_stdlib_files(), data, cache_dir)
+        splits = open_local(*local_files.list_stdlib_files(), data)
     elif source.startswith("text:"):
-        splits = open_local(*text_builder.list_text_files(source[len("text:"):]), data, cache_dir)
+        splits = open_local(*local_files.list_text_files(source[len("text:"):]), data)
     elif source.startswith("tfds:"):
         splits = open_tfds(source[len("tfds:"):], data)
     else:

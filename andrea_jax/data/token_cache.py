@@ -31,7 +31,7 @@ import tqdm
 from andrea_jax import atomic
 from andrea_jax.data import DataError
 from andrea_jax.data.sources import Documents
-from andrea_jax.data.tokenizer import Tokenizer, utf8_bytes
+from andrea_jax.data.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.uint16
@@ -86,9 +86,10 @@ def load(directory: str, split: str, tokenizer_sha256: str) -> tuple[TokenSplit 
 
 def _encode_with_separators(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
     pieces = []
-    end_of_text = np.array([tokenizer.eot_id], np.int32)
+    # Without an end-of-text token (nanoGPT's char vocabulary) documents just abut, as in nanoGPT.
+    separator = [] if tokenizer.eot_id is None else [np.array([tokenizer.eot_id], np.int32)]
     for ids in tokenizer.encode_arrays(texts):
-        pieces += [ids, end_of_text]
+        pieces += [ids, *separator]
     ids = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
     if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
         bad = int(ids.max() if ids.max() >= tokenizer.vocab_size else ids.min())
@@ -117,7 +118,7 @@ def _encode_into(out, documents: Documents, tokenizer: Tokenizer, split: str,
             ids = _encode_with_separators(tokenizer, texts)
             out.write(ids.tobytes())
             num_tokens += ids.size
-            num_bytes += sum(len(utf8_bytes(t)) for t in texts)
+            num_bytes += sum(len(t.encode("utf-8")) for t in texts)
             # About _TARGET_BATCH_BYTES of text per call, whatever the document size.
             batch_size = int(np.clip(_TARGET_BATCH_BYTES * position / max(num_bytes, 1), 16, 65536))
             seconds = max(time.perf_counter() - started, 1e-9)
@@ -129,7 +130,7 @@ def _encode_into(out, documents: Documents, tokenizer: Tokenizer, split: str,
 
 def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str,
           identity: dict, progress: bool = True) -> TokenSplit:
-    """Encodes every non-empty document, end-of-text after each, into the cache."""
+    """Encodes every non-empty document, end-of-text after each (if the tokenizer has one), into the cache."""
     if tokenizer.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
         raise DataError(f"a vocabulary of {tokenizer.vocab_size} does not fit the uint16 token "
                         f"cache (at most 65536); use a smaller tokenizer")
@@ -142,7 +143,7 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
     started = time.perf_counter()
     temporary = f"{tokens_path}.tmp{os.getpid()}"
     try:
-        with open(temporary, "wb") as out:
+        with atomic.writing(tokens_path), open(temporary, "wb") as out:
             num_tokens, num_bytes = _encode_into(out, documents, tokenizer, split, progress)
             out.flush()
             os.fsync(out.fileno())

@@ -1,9 +1,7 @@
 """Tokenizers: byte-level BPE (the ANDREA 8449), bytes, and characters.
 
-All three share one small interface and save to one `tokenizer.json`. Text is a
-Python `str` that may carry undecodable file bytes as surrogate escapes
-(`errors="surrogateescape"`); every tokenizer encodes those losslessly, and
-`decode(ids, errors="surrogateescape")` gives the exact string back.
+All three share one small interface and save to one `tokenizer.json`; nanoGPT's
+character vocabulary (`meta.pkl`) reads as a char tokenizer.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import functools
 import hashlib
 import json
 import os
-import re
+import pickletools
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -24,16 +22,7 @@ from andrea_jax.data import DataError
 END_OF_TEXT = "<|endoftext|>"
 BPE_MERGES = 8192  # 256 byte tokens + 8192 merges + end-of-text = 8449
 _OWN_FORMAT_KEY = "andrea_jax_tokenizer"  # marks the byte and char JSON files
-_SURROGATE_RUN = re.compile("[\ud800-\udfff]+")
 _REPLACEMENT = "\ufffd".encode("utf-8")
-
-
-def utf8_bytes(text: str) -> bytes:
-    """The bytes a text came from: surrogate escapes turn back into raw bytes."""
-    try:
-        return text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:  # surrogates that are not escapes of bytes
-        return text.encode("utf-8", "surrogatepass")
 
 
 @functools.cache
@@ -60,7 +49,7 @@ class Tokenizer(abc.ABC):
 
     kind: str
     vocab_size: int
-    eot_id: int
+    eot_id: int | None  # None: no end-of-text token (nanoGPT's character vocabulary), documents just abut
 
     @abc.abstractmethod
     def to_json(self) -> str:
@@ -71,11 +60,9 @@ class Tokenizer(abc.ABC):
         """Token ids of each text as an int32 array (the fast path of the cache)."""
 
     @abc.abstractmethod
-    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
-        """Text of the ids. Never raises: ids outside the vocabulary decode as U+FFFD.
-
-        errors="replace" gives printable text; "surrogateescape" is lossless.
-        """
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the ids. Never raises: ids outside the vocabulary (and bytes that end mid-character)
+        decode as U+FFFD."""
 
     def encode(self, text: str) -> list[int]:
         return self.encode_arrays([text])[0].tolist()
@@ -93,10 +80,9 @@ class Tokenizer(abc.ABC):
         atomic.write(path, self.to_json())
 
 
-def _decode_table(table: Sequence[bytes], ids: Iterable[int], errors: str) -> str:
+def _decode_table(table: Sequence[bytes], ids: Iterable[int]) -> str:
     size = len(table)
-    raw = b"".join(table[i] if 0 <= i < size else _REPLACEMENT for i in map(int, ids))
-    return raw.decode("utf-8", errors)
+    return b"".join(table[i] if 0 <= i < size else _REPLACEMENT for i in map(int, ids)).decode("utf-8", "replace")
 
 
 class ByteTokenizer(Tokenizer):
@@ -113,32 +99,32 @@ class ByteTokenizer(Tokenizer):
         return json.dumps({_OWN_FORMAT_KEY: "byte", "version": 1, "end_of_text": END_OF_TEXT})
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.frombuffer(utf8_bytes(t), np.uint8).astype(np.int32) for t in texts]
+        return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) for t in texts]
 
-    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
-        return _decode_table(self._table, ids, errors)
+    def decode(self, ids: Iterable[int]) -> str:
+        return _decode_table(self._table, ids)
 
 
 class CharTokenizer(Tokenizer):
-    """One token per character of the training text, sorted, + end-of-text last."""
+    """One token per character of the training text, sorted, + end-of-text last (if `end_of_text`)."""
 
     kind = "char"
 
-    def __init__(self, chars: Sequence[str]) -> None:
+    def __init__(self, chars: Sequence[str], end_of_text: bool = True) -> None:
         self.chars = sorted(set(chars))
-        self.vocab_size = len(self.chars) + 1
-        self.eot_id = len(self.chars)
+        self.vocab_size = len(self.chars) + end_of_text
+        self.eot_id = len(self.chars) if end_of_text else None
         self._code_points = np.array([ord(c) for c in self.chars], np.uint32)
 
     def to_json(self) -> str:
         return json.dumps({_OWN_FORMAT_KEY: "char", "version": 1,
-                           "end_of_text": END_OF_TEXT, "chars": self.chars})
+                           "end_of_text": END_OF_TEXT if self.eot_id is not None else None, "chars": self.chars})
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [self._encode_one(t) for t in texts]
 
     def _encode_one(self, text: str) -> np.ndarray:
-        code_points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+        code_points = np.frombuffer(text.encode("utf-32-le"), np.uint32)
         ids = np.searchsorted(self._code_points, code_points)
         known = ids < len(self.chars)
         known[known] = self._code_points[ids[known]] == code_points[known]
@@ -149,12 +135,10 @@ class CharTokenizer(Tokenizer):
                 f"built from the training text; use data.tokenizer='byte' or 'bpe'")
         return ids.astype(np.int32)
 
-    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         size = len(self.chars)
-        text = "".join(self.chars[i] if 0 <= i < size else
-                       END_OF_TEXT if i == size else "\ufffd" for i in map(int, ids))
-        return text if errors == "surrogateescape" else _SURROGATE_RUN.sub(
-            lambda run: "\ufffd" * len(run.group()), text)
+        return "".join(self.chars[i] if 0 <= i < size else
+                       END_OF_TEXT if i == self.eot_id else "\ufffd" for i in map(int, ids))
 
 
 class BpeTokenizer(Tokenizer):
@@ -173,15 +157,11 @@ class BpeTokenizer(Tokenizer):
         char_to_byte = {c: b for b, c in byte_to_char().items()}
         special = {t.content for t in hf_tokenizer.get_added_tokens_decoder().values()}
         self._table = [_REPLACEMENT] * self.vocab_size
-        self._byte_ids = np.zeros(256, np.int32)
         for token, token_id in vocab.items():
             if token in special:
                 self._table[token_id] = token.encode("utf-8")
             else:
                 self._table[token_id] = bytes(char_to_byte[c] for c in token)
-        for token, token_id in vocab.items():
-            if len(token) == 1 and token not in special:
-                self._byte_ids[char_to_byte[token]] = token_id
 
     @functools.cached_property
     def _json(self) -> str:
@@ -195,30 +175,11 @@ class BpeTokenizer(Tokenizer):
         return len(json.loads(self._json)["model"]["merges"])
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
-        texts = list(texts)
-        with_escapes = [i for i, t in enumerate(texts) if _SURROGATE_RUN.search(t)]
-        clean = list(texts)
-        for i in with_escapes:
-            clean[i] = ""
         encode = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)
-        arrays = [np.asarray(e.ids, np.int32) for e in encode(clean, add_special_tokens=False)]
-        for i in with_escapes:
-            arrays[i] = self._encode_with_escapes(texts[i])
-        return arrays
+        return [np.asarray(e.ids, np.int32) for e in encode(list(texts), add_special_tokens=False)]
 
-    def _encode_with_escapes(self, text: str) -> np.ndarray:
-        # HF tokenizers only take valid Unicode: encode the valid runs as usual and
-        # each escaped byte as its byte token, which keeps the exact bytes.
-        pieces, position = [], 0
-        for run in _SURROGATE_RUN.finditer(text):
-            pieces.append(self._hf.encode(text[position:run.start()], add_special_tokens=False).ids)
-            pieces.append(self._byte_ids[np.frombuffer(utf8_bytes(run.group()), np.uint8)])
-            position = run.end()
-        pieces.append(self._hf.encode(text[position:], add_special_tokens=False).ids)
-        return np.concatenate([np.asarray(p, np.int32) for p in pieces])
-
-    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
-        return _decode_table(self._table, ids, errors)
+    def decode(self, ids: Iterable[int]) -> str:
+        return _decode_table(self._table, ids)
 
 
 def train_bpe(texts: Iterable[str], num_merges: int = BPE_MERGES) -> BpeTokenizer:
@@ -235,8 +196,7 @@ def train_bpe(texts: Iterable[str], num_merges: int = BPE_MERGES) -> BpeTokenize
     trainer = trainers.BpeTrainer(
         vocab_size=256 + num_merges, show_progress=False, special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    # Escaped bytes cannot reach the trainer; they stay byte tokens when encoding.
-    hf.train_from_iterator((_SURROGATE_RUN.sub("", t) for t in texts), trainer)
+    hf.train_from_iterator(texts, trainer)
     hf.add_special_tokens([END_OF_TEXT])
     return BpeTokenizer(hf)
 
@@ -251,7 +211,9 @@ def build_char(texts: Iterable[str]) -> CharTokenizer:
 
 
 def load(path: str | os.PathLike) -> Tokenizer:
-    """Reads any `tokenizer.json` this module writes, or a byte-level BPE one."""
+    """Reads any `tokenizer.json` this module writes, a byte-level BPE one, or nanoGPT's meta.pkl."""
+    if os.fspath(path).endswith(".pkl"):
+        return read_nanogpt_meta(path)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -263,7 +225,7 @@ def load(path: str | os.PathLike) -> Tokenizer:
     if own == "byte":
         return ByteTokenizer()
     if own == "char":
-        return CharTokenizer(content["chars"])
+        return CharTokenizer(content["chars"], end_of_text=content.get("end_of_text") is not None)
     pre_tokenizer = (content.get("pre_tokenizer") or {}) if isinstance(content, dict) else {}
     if pre_tokenizer.get("type") != "ByteLevel":
         raise DataError(f"{os.fspath(path)!r} is not a byte-level BPE tokenizer.json; "
@@ -271,3 +233,65 @@ def load(path: str | os.PathLike) -> Tokenizer:
     from tokenizers import Tokenizer as HfTokenizer
 
     return BpeTokenizer(HfTokenizer.from_str(text))
+
+
+# The opcodes pickle protocols 1 to 5 write for a dict of dicts, strings and integers.
+_META_VALUES = {"BININT", "BININT1", "BININT2", "LONG1", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
+_META_NOOPS = {"PROTO", "FRAME", "STOP"}
+
+
+def read_nanogpt_meta(path: str | os.PathLike) -> CharTokenizer:
+    """nanoGPT's character vocabulary ({'vocab_size': n, 'itos': {i: c}, 'stoi': {c: i}}), never unpickled.
+
+    The file's opcodes are read with `pickletools.genops` (a disassembler, which
+    runs nothing) and interpreted here for dicts, strings and integers only. A
+    restricted `Unpickler` (find_class refusing every global) would also block
+    code, but it still runs the general machine over untrusted bytes and hands
+    back whatever built-in objects the file asks for; here any other opcode, and
+    so any other object, is refused before it is built.
+    """
+    def refuse(why: str) -> DataError:
+        return DataError(f"{os.fspath(path)!r} is not nanoGPT's character vocabulary ({why}); only a plain "
+                         f"dict of vocab_size, itos and stoi is read: pass the meta.pkl its prepare.py wrote")
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as error:
+        raise refuse(str(error)) from None
+    stack, memo, mark = [], {}, object()
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            name = opcode.name
+            if name in _META_VALUES:
+                stack.append(arg)
+            elif name == "EMPTY_DICT":
+                stack.append({})
+            elif name == "MARK":
+                stack.append(mark)
+            elif name in ("MEMOIZE", "BINPUT", "LONG_BINPUT"):
+                memo[len(memo) if arg is None else arg] = stack[-1]
+            elif name in ("BINGET", "LONG_BINGET"):
+                stack.append(memo[arg])
+            elif name in ("SETITEM", "SETITEMS"):
+                start = len(stack) - 2 if name == "SETITEM" else max(
+                    i for i, item in enumerate(stack) if item is mark)
+                items = stack[start:] if name == "SETITEM" else stack[start + 1:]
+                del stack[start:]
+                if not isinstance(stack[-1], dict) or len(items) % 2:
+                    raise ValueError(f"{name} without a dict and key-value pairs")
+                stack[-1].update(zip(items[::2], items[1::2]))
+            elif name not in _META_NOOPS:
+                raise refuse(f"it holds a {name} opcode, which a dict of strings and integers never needs")
+    except (ValueError, KeyError, IndexError, TypeError) as error:
+        raise refuse(f"unreadable: {error}") from None
+    meta = stack[0] if len(stack) == 1 and isinstance(stack[0], dict) else {}
+    itos, size = meta.get("itos"), meta.get("vocab_size")
+    if not isinstance(itos, dict) or not isinstance(size, int) or len(itos) != size:
+        raise refuse("no itos dict of vocab_size entries")
+    chars = [itos.get(i) for i in range(size)]
+    if not all(isinstance(c, str) and len(c) == 1 for c in chars) or chars != sorted(set(chars)):
+        raise refuse("itos is not ids 0..vocab_size-1 to distinct characters in sorted order")
+    if meta.get("stoi", {c: i for i, c in enumerate(chars)}) != {c: i for i, c in enumerate(chars)}:
+        raise refuse("stoi is not the inverse of itos")
+    return CharTokenizer(chars, end_of_text=False)

@@ -1,8 +1,7 @@
-"""Local text files as a TFDS dataset, so a user's corpus takes the same door as
-a registered one (`tfds.data_source`-style random access over array_record).
+"""Local text files as documents: `text:` (a file, a directory walked, or a glob) and `stdlib`.
 
-`list_text_files` and `list_stdlib_files` choose the files; `LocalTextFiles`
-stores each file's raw bytes as one document, in the listed order.
+Each file is one document, read when asked, in sorted path order; bytes that
+are not UTF-8 read as U+FFFD. TFDS is only for `tfds:` sources.
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ import hashlib
 import os
 import sysconfig
 from typing import Sequence
-
-import tensorflow_datasets as tfds
 
 from andrea_jax.data import DataError
 
@@ -87,44 +84,19 @@ def fingerprint(root: str, files: Sequence[str]) -> str:
     for path in files:
         status = os.stat(path)
         digest.update(f"{os.path.relpath(path, root)}\t{status.st_size}\t{status.st_mtime_ns}\n"
-                      .encode("utf-8", "surrogateescape"))
+                      .encode("utf-8", "replace"))
     return digest.hexdigest()[:20]
 
 
-class LocalTextFiles(tfds.core.GeneratorBasedBuilder):
-    """One document per file: its raw bytes (decoded later, losslessly) and its path."""
+class FileTexts(Sequence):
+    """Item i is {"text": the contents of file i}: a data source that `sources.DataSourceDocuments` reads."""
 
-    VERSION = tfds.core.Version("1.0.0")
+    def __init__(self, files: Sequence[str]) -> None:
+        self.files = list(files)
 
-    def __init__(self, *, files: Sequence[str], root: str, **kwargs) -> None:
-        self._files = list(files)
-        self._root = root
-        super().__init__(**kwargs)
+    def __len__(self) -> int:
+        return len(self.files)
 
-    def _info(self) -> tfds.core.DatasetInfo:
-        # A builder outside a TFDS package must build its info this way.
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description="Local text files, one document per file, in sorted path order.",
-            features=tfds.features.FeaturesDict(
-                {"text": tfds.features.Text(), "path": tfds.features.Text()}),
-            disable_shuffling=True)  # keep the sorted order: splits depend on it
-
-    def _split_generators(self, dl_manager):
-        del dl_manager  # the files are local
-        return {"train": self._generate_examples()}
-
-    def _generate_examples(self):
-        for index, path in enumerate(self._files):
-            with open(path, "rb") as f:
-                raw = f.read()
-            relative = os.path.relpath(path, self._root)
-            yield index, {"text": raw, "path": relative.encode("utf-8", "surrogateescape")}
-
-
-def prepare_local_dataset(root: str, files: Sequence[str], data_dir: str) -> LocalTextFiles:
-    """The prepared builder for these files (built once; reused while they are unchanged)."""
-    builder = LocalTextFiles(files=files, root=root, data_dir=data_dir, file_format="array_record")
-    if not builder.is_prepared():
-        builder.download_and_prepare(file_format="array_record")
-    return builder
+    def __getitem__(self, index: int) -> dict:
+        with open(self.files[index], encoding="utf-8", errors="replace", newline="") as f:
+            return {"text": f.read()}

@@ -3,7 +3,7 @@ import sysconfig
 
 import pytest
 
-from andrea_jax.data import DataError, text_builder
+from andrea_jax.data import DataError, local_files
 
 
 def write(path, content: bytes | str):
@@ -19,7 +19,7 @@ def test_directory_gives_sorted_text_and_code_files_only(tmp_path):
     write(tmp_path / "image.png", b"\x89PNG\0\0")
     write(tmp_path / "binary.txt", b"\0\1\2")
     write(tmp_path / ".git" / "config.txt", "hidden")
-    root, files = text_builder.list_text_files(str(tmp_path))
+    root, files = local_files.list_text_files(str(tmp_path))
     assert root == str(tmp_path)
     assert [os.path.relpath(f, root) for f in files] == ["a.txt", "b.md", os.path.join("sub", "c.py")]
 
@@ -27,26 +27,26 @@ def test_directory_gives_sorted_text_and_code_files_only(tmp_path):
 def test_glob_and_single_file(tmp_path):
     for name in ("x1.log", "x2.log", "y.txt"):
         write(tmp_path / "logs" / name, name)
-    _, files = text_builder.list_text_files(str(tmp_path / "logs" / "x*.log"))
+    _, files = local_files.list_text_files(str(tmp_path / "logs" / "x*.log"))
     assert [os.path.basename(f) for f in files] == ["x1.log", "x2.log"]
-    root, files = text_builder.list_text_files(str(tmp_path / "logs" / "y.txt"))
+    root, files = local_files.list_text_files(str(tmp_path / "logs" / "y.txt"))
     assert (root, files) == (str(tmp_path / "logs"), [str(tmp_path / "logs" / "y.txt")])
 
 
 def test_bad_corpora_fail_with_the_fix(tmp_path):
     with pytest.raises(DataError, match="matches no files"):
-        text_builder.list_text_files(str(tmp_path / "nothing*.txt"))
+        local_files.list_text_files(str(tmp_path / "nothing*.txt"))
     write(tmp_path / "empty" / "a.txt", b"")
     write(tmp_path / "empty" / "b.txt", b"")
     with pytest.raises(DataError, match="empty corpus"):
-        text_builder.list_text_files(str(tmp_path / "empty"))
+        local_files.list_text_files(str(tmp_path / "empty"))
     write(tmp_path / "binary" / "a.txt", b"\x00\x01data")
     with pytest.raises(DataError, match="no readable text"):
-        text_builder.list_text_files(str(tmp_path / "binary"))
+        local_files.list_text_files(str(tmp_path / "binary"))
 
 
 def test_stdlib_listing_leaves_out_tests_and_installed_packages():
-    root, files = text_builder.list_stdlib_files()
+    root, files = local_files.list_stdlib_files()
     assert root == sysconfig.get_paths()["stdlib"]
     relative = [os.path.relpath(f, root).replace(os.sep, "/") for f in files]
     assert relative == sorted(relative, key=lambda r: os.path.join(root, r))
@@ -56,26 +56,22 @@ def test_stdlib_listing_leaves_out_tests_and_installed_packages():
     assert not parts & {"test", "tests", "idle_test", "site-packages", "dist-packages"}
 
 
-def test_builder_stores_each_file_exactly_in_sorted_order(tmp_path):
+def test_each_file_is_a_document_in_sorted_order(tmp_path):
     corpus = tmp_path / "corpus"
     contents = {"b.txt": b"second \xff\xfe not utf-8", "a.txt": "first é😀".encode(),
                 "c/d.py": b"print('third')\n"}
     for name, content in contents.items():
         write(corpus / name, content)
-    root, files = text_builder.list_text_files(str(corpus))
-    builder = text_builder.prepare_local_dataset(root, files, str(tmp_path / "tfds"))
-    source = builder.as_data_source(split="train")
-    assert len(source) == 3
-    assert [source[i]["path"].decode() for i in range(3)] == ["a.txt", "b.txt", "c/d.py"]
-    assert [source[i]["text"] for i in range(3)] == [contents["a.txt"], contents["b.txt"],
-                                                     contents["c/d.py"]]
-    again = text_builder.prepare_local_dataset(root, files, str(tmp_path / "tfds"))
-    assert again.is_prepared() and len(again.as_data_source(split="train")) == 3
+    root, files = local_files.list_text_files(str(corpus))
+    assert [os.path.relpath(f, root) for f in files] == ["a.txt", "b.txt", os.path.join("c", "d.py")]
+    texts = local_files.FileTexts(files)
+    assert len(texts) == 3
+    assert [texts[i]["text"] for i in range(3)] == ["first é😀", "second \ufffd\ufffd not utf-8", "print('third')\n"]
 
 
 def test_fingerprint_changes_with_the_files(tmp_path):
     a = write(tmp_path / "a.txt", "one")
-    before = text_builder.fingerprint(str(tmp_path), [str(a)])
-    assert before == text_builder.fingerprint(str(tmp_path), [str(a)])
+    before = local_files.fingerprint(str(tmp_path), [str(a)])
+    assert before == local_files.fingerprint(str(tmp_path), [str(a)])
     write(tmp_path / "a.txt", "one more")
-    assert text_builder.fingerprint(str(tmp_path), [str(a)]) != before
+    assert local_files.fingerprint(str(tmp_path), [str(a)]) != before
