@@ -225,6 +225,30 @@ def test_query_blocks_give_the_unblocked_loss_and_gradients(monkeypatch):
                  grads, expected_grads)
 
 
+def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16():
+    # The written-out backward against autodiff of the same forward (the dropout path with
+    # an identity dropout), with a causal mask cut as a query block sees it (queries 5..11).
+    keys = jax.random.split(jax.random.key(8), 4)
+    q, k, v, g = (jax.random.normal(key, shape) for key, shape in
+                  zip(keys, [(2, 7, 3, 16), (2, 12, 3, 16), (2, 12, 3, 16), (2, 7, 3, 16)]))
+    causal = jnp.tril(jnp.ones((12, 12), bool))[5:12]
+    autodiff = lambda dtype: jax.vjp(lambda *qkv: model.softmax_attention(
+        *(x.astype(dtype) for x in qkv), causal, dtype, lambda p: p), q, k, v)
+    ours = lambda dtype: jax.vjp(lambda *qkv: model.softmax_attention(
+        *(x.astype(dtype) for x in qkv), causal, dtype), q, k, v)
+    (out, vjp), (ref_out, ref_vjp) = ours(jnp.float32), autodiff(jnp.float32)
+    np.testing.assert_array_equal(out, ref_out)
+    reference = ref_vjp(g)
+    for got, want in zip(vjp(g), reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # bf16: products of bf16-rounded cotangents, within bf16 error of the float32 gradients.
+    out16, vjp16 = ours(jnp.bfloat16)
+    assert out16.dtype == jnp.bfloat16
+    for got, want in zip(vjp16(g.astype(jnp.bfloat16)), reference):
+        assert got.dtype == jnp.float32
+        assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+
+
 def test_bfloat16_compute_keeps_float32_params_and_logits():
     m = small_model(dtype="bfloat16")
     params = init(m)
