@@ -44,6 +44,7 @@ over depth like the params.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -57,6 +58,8 @@ from andrea_jax.config import padded_vocab_size
 from andrea_jax.precision import compute_dtype, matmul
 
 INIT_STD = 0.02  # GPT-2's normal init for weights and embeddings
+# On a CPU the einsum attention runs in blocks of this many queries (see Attention).
+CPU_QUERY_BLOCK = 128
 ACTIVATIONS = {
     "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
     "gelu_exact": lambda h: jax.nn.gelu(h, approximate=False),
@@ -157,6 +160,62 @@ def _split_qkv_bwd(_, cotangents):
 split_qkv.defvjp(_split_qkv_fwd, _split_qkv_bwd)
 
 
+def _attention_probs(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, causal_LxS: jax.Array) -> jax.Array:
+    """softmax(q·kᵀ/√K + mask) in float32."""
+    logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxSxHxK,
+                                preferred_element_type=jnp.float32) / math.sqrt(q_BxLxHxK.shape[-1])
+    logits_BxHxLxS = jnp.where(causal_LxS, logits_BxHxLxS, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(logits_BxHxLxS, axis=-1)
+
+
+def softmax_attention(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array, causal_LxS: jax.Array,
+                      dtype, dropout=None) -> jax.Array:
+    """softmax(q·kᵀ/√K + mask)·v: scores and softmax in float32, products in `dtype`.
+
+    `dropout` (applied to the probabilities) takes autodiff's backward; without it the
+    backward is written out (`_attention_fwd`, `_attention_bwd`).
+    """
+    if dropout is None:
+        return _attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype)
+    probs_BxHxLxS = dropout(_attention_probs(q_BxLxHxK, k_BxSxHxK, causal_LxS))
+    return jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxS.astype(dtype), v_BxSxHxK,
+                      preferred_element_type=jnp.float32).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype):
+    return _attention_fwd(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype)[0]
+
+
+def _attention_fwd(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype):
+    probs_BxHxLxS = _attention_probs(q_BxLxHxK, k_BxSxHxK, causal_LxS)
+    out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxS.astype(dtype), v_BxSxHxK,
+                             preferred_element_type=jnp.float32).astype(dtype)
+    return out_BxLxHxK, (q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS)
+
+
+def _attention_bwd(dtype, residuals, d_out_BxLxHxK):
+    """Autodiff's backward would multiply float32 cotangents by the bf16 operands, which XLA runs
+    as float32 products (on a CPU at a fraction of the bf16 rate); here the cotangents are rounded
+    to `dtype` first, as `precision.einsum_f32_accumulate` does for the weights. Softmax's own
+    backward stays in float32. For float32 this is autodiff's backward (measured in bench/RESULTS.md).
+    """
+    q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS = residuals
+    f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+    g_BxLxHxK = d_out_BxLxHxK.astype(dtype)
+    d_v_BxSxHxK = f32("bhqs,bqhk->bshk", probs_BxHxLxS.astype(dtype), g_BxLxHxK)
+    d_probs_BxHxLxS = f32("bqhk,bshk->bhqs", g_BxLxHxK, v_BxSxHxK)
+    d_logits_BxHxLxS = probs_BxHxLxS * (d_probs_BxHxLxS - jnp.sum(d_probs_BxHxLxS * probs_BxHxLxS, -1, keepdims=True))
+    d_logits_BxHxLxS = (d_logits_BxHxLxS / math.sqrt(q_BxLxHxK.shape[-1])).astype(dtype)
+    d_q_BxLxHxK = f32("bhqs,bshk->bqhk", d_logits_BxHxLxS, k_BxSxHxK)
+    d_k_BxSxHxK = f32("bhqs,bqhk->bshk", d_logits_BxHxLxS, q_BxLxHxK)
+    return (d_q_BxLxHxK.astype(q_BxLxHxK.dtype), d_k_BxSxHxK.astype(k_BxSxHxK.dtype),
+            d_v_BxSxHxK.astype(v_BxSxHxK.dtype), None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention; qkv kernel laid out as GPT-2's c_attn."""
     n_head: int
@@ -212,13 +271,19 @@ class Attention(nn.Module):
             # Reaches cuDNN flash attention on GPU; plain XLA elsewhere.
             out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True)
         else:
-            logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxSxHxK,
-                                        preferred_element_type=jnp.float32) / math.sqrt(head_dim)
-            logits_BxHxLxS = jnp.where(causal_LxS, logits_BxHxLxS, jnp.finfo(jnp.float32).min)
-            probs_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1)
-            probs_BxHxLxS = nn.Dropout(self.dropout)(probs_BxHxLxS, deterministic=deterministic)
-            out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxS.astype(self.dtype), v_BxSxHxK,
-                                     preferred_element_type=jnp.float32).astype(self.dtype)
+            drop = (None if deterministic or self.dropout == 0.0 else
+                    lambda probs: nn.Dropout(self.dropout)(probs, deterministic=False))
+            if cache_index is None and jax.default_backend() == "cpu" and length > CPU_QUERY_BLOCK:
+                # Query block i attends keys [0, end of block i) only: the blocks above the causal
+                # diagonal are never computed (a quarter of the square at 2 blocks), and each row
+                # still gets one exact softmax over all its keys. Measured on a CPU (bench/RESULTS.md).
+                out_BxLxHxK = jnp.concatenate([
+                    softmax_attention(q_BxLxHxK[:, start:stop], k_BxSxHxK[:, :stop], v_BxSxHxK[:, :stop],
+                                      causal_LxS[start:stop, :stop], self.dtype, drop)
+                    for start in range(0, length, CPU_QUERY_BLOCK)
+                    for stop in [min(start + CPU_QUERY_BLOCK, length)]], axis=1)
+            else:
+                out_BxLxHxK = softmax_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, self.dtype, drop)
 
         out_BxLxD = matmul(out_BxLxHxK, out_kernel, "blhk,hkd->bld", self.dtype) + out_bias
         out_BxLxD = nn.Dropout(self.dropout)(out_BxLxD, deterministic=deterministic)

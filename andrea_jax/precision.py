@@ -114,8 +114,8 @@ einsum_f32_accumulate.defvjp(_einsum_f32_accumulate_fwd, _einsum_f32_accumulate_
 def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype) -> jax.Array:
     """x·kernel (an einsum `spec`) in `dtype` with float32 accumulation, forward and backward.
 
-    For activations times weights. (Not for attention's batched products: XLA:CPU
-    has no kernel for some of their bf16 backward layouts; they keep autodiff's.)
+    For activations times weights. (Attention's batched products have their own
+    written-out backward, `model.softmax_attention`.)
     """
     operands = spec.split("->")[0].split(",")
     if "." in spec or any(len(set(s)) != len(s) for s in operands):

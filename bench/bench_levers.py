@@ -1,12 +1,13 @@
 """Speed levers of the train step, one at a time against the baseline, with the prediction written first.
 
-    python bench/bench_levers.py [--case mid] [--only pad128,bf16,...] [--rounds 4] [--no-flags]
+    python bench/bench_levers.py [--case mid] [--dtype bfloat16] [--only pad128,ynn_off,...] [--rounds 4] [--no-flags]
 
-In-process levers (config options, donation, host syncs) are timed in pairs with
+In-process levers (config options, donation, host syncs, XLA options of the one
+executable) are timed in pairs with
 the baseline (baseline rep, lever rep, order alternating); the speed-up shown is
 the median of the per-pair ratios, with their range. XLA flags need a fresh process each: children
 alternate baseline / flag / baseline ..., each compiling and timing a few repetitions.
-The baseline is the case as bench_step.py runs it (float32, exact vocabulary,
+The baseline is the case as bench_step.py runs it (float32 unless --dtype, exact vocabulary,
 xla attention, no scan, no remat, state donated, metrics read once a repetition).
 """
 
@@ -22,6 +23,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+YNN_DOT_REDUCE_ELTWISE = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE,LIBRARY_FUSION_TYPE_ELTWISE"
 # name -> (what changes, prediction written before the first measurement)
 LEVERS = {
     "pad128": (dict(model=dict(vocab_pad_multiple=128)),
@@ -40,6 +42,18 @@ LEVERS = {
                  "matrices); shakespeare: no gain (overhead-bound)"),
     "sync_every_step": (dict(sync_every_step=True),
                         "mid <1%; shakespeare 5-15% slower (the host waits for every step, no overlap)"),
+    # XLA:CPU options for this executable alone, so that they pair with the baseline in one process.
+    # (oneDNN, XNNPACK's dot fusion and graph mode, and the concurrency-optimised scheduler leave
+    # jaxlib 0.10.2's compiled mid step unchanged: no lever.)
+    "ynn_eltwise": (dict(compiler_options=dict(xla_cpu_experimental_ynn_fusion_type=YNN_DOT_REDUCE_ELTWISE)),
+                    "±5%: YNNPACK also takes the elementwise fusions (softmax, GELU, LayerNorm)"),
+    "ynn_individual_dot": (dict(compiler_options=dict(
+                               xla_cpu_experimental_ynn_fusion_type="LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT")),
+                           "0.95-1.0×: YNNPACK runs the dots alone, no fused producers or consumers"),
+    "ynn_off": (dict(compiler_options=dict(xla_cpu_experimental_ynn_fusion_type="")),
+                "0.7-0.9× (Eigen's dots), or bf16 fails: Eigen has no bf16 × bf16 → f32 dot"),
+    "one_thread": (dict(compiler_options=dict(xla_cpu_multi_thread_eigen=False)),
+                   "mid 0.6-0.9× (the matmuls lose a core); shakespeare ±10%"),
 }
 FLAG_LEVERS = {
     "eigen_1_thread": ("--xla_cpu_multi_thread_eigen=false",
@@ -48,22 +62,23 @@ FLAG_LEVERS = {
     "xnnpack": ("--xla_cpu_use_xnnpack=true", "±10%: XNNPACK dots instead of Eigen's"),
     "onednn": ("--xla_cpu_use_onednn=true", "f32 ±10%; bf16 could gain if oneDNN reaches AMX better"),
 }
-DEFAULT_LEVERS = list(LEVERS)
+DEFAULT_LEVERS = [name for name, (change, _) in LEVERS.items() if "compiler_options" not in change]
 
 
-def make_step(case: str, change: dict):
+def make_step(case: str, change: dict, dtype: str = "float32"):
     from bench import harness
-    # The baseline is float32 (as in the earlier runs); the "bfloat16" lever changes that alone.
-    config = harness.make_case(case, **{"dtype": "float32", **change.get("model", {})})
+    # The baseline is float32 unless --dtype says otherwise; the "bfloat16" lever changes that alone.
+    config = harness.make_case(case, **{"dtype": dtype, **change.get("model", {})})
     return harness.JaxStep(config, donate=change.get("donate", True),
-                           sync_every_step=change.get("sync_every_step", False))
+                           sync_every_step=change.get("sync_every_step", False),
+                           compiler_options=change.get("compiler_options"))
 
 
 def in_process(args) -> list[dict]:
     from bench import harness
     steps, compile_s, k = {}, {}, {}
     for name in ["baseline"] + args.levers:
-        step = make_step(args.case, LEVERS[name][0] if name != "baseline" else {})
+        step = make_step(args.case, LEVERS[name][0] if name != "baseline" else {}, args.dtype)
         compile_s[name] = step.compile()
         k[name] = harness.steps_per_rep(step.run(1), args.rep_seconds)
         steps[name] = step
@@ -93,7 +108,7 @@ def in_process(args) -> list[dict]:
 def child(args) -> None:
     """One process: compile, then `rounds` repetitions; prints JSON."""
     from bench import harness
-    step = make_step(args.case, {})
+    step = make_step(args.case, {}, args.dtype)
     compile_s = step.compile()
     k = harness.steps_per_rep(step.run(1), args.rep_seconds)
     samples = [step.run(k) for _ in range(args.rounds)]
@@ -107,7 +122,7 @@ def with_flags(args) -> list[dict]:
     for _ in range(args.flag_passes):
         for name, flag in settings.items():
             env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip())
-            out = subprocess.run([sys.executable, __file__, "--child", "--case", args.case,
+            out = subprocess.run([sys.executable, __file__, "--child", "--case", args.case, "--dtype", args.dtype,
                                   "--rounds", str(max(2, args.rounds // 2)), "--rep-seconds", str(args.rep_seconds)],
                                  env=env, capture_output=True, text=True)
             if out.returncode:
@@ -135,6 +150,7 @@ def main() -> None:
     parser.add_argument("--case", default="mid", help="shakespeare, mid, a120_f32, a120_bf16")
     parser.add_argument("--only", default=",".join(DEFAULT_LEVERS),
                         help=f"in-process levers: {','.join(LEVERS)}")
+    parser.add_argument("--dtype", default="float32", help="the baseline's compute dtype")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--rep-seconds", type=float, default=1.0)
     parser.add_argument("--no-flags", action="store_true", help="skip the XLA-flag levers (fresh processes)")
@@ -147,7 +163,7 @@ def main() -> None:
     args.levers = [name for name in args.only.split(",") if name]
     from bench import harness
     print(harness.header("python bench/bench_levers.py " + " ".join(sys.argv[1:])), flush=True)
-    print(f"case {args.case}: {harness.describe_case(harness.make_case(args.case))}", flush=True)
+    print(f"case {args.case}: {harness.describe_case(harness.make_case(args.case, dtype=args.dtype))}", flush=True)
     started = time.perf_counter()
     rows = in_process(args) if args.levers else []
     print(f"[in-process levers: {time.perf_counter() - started:.0f} s, load average {harness.load_average()}]",

@@ -77,7 +77,7 @@ class JaxStep:
     """The project's train step, jitted as the training loop jits it, with its state."""
 
     def __init__(self, config: ml_collections.ConfigDict, donate: bool = True, num_batches: int = 4,
-                 sync_every_step: bool = False):
+                 sync_every_step: bool = False, compiler_options: dict | None = None):
         self.config = config
         self.sync_every_step = sync_every_step
         self._stack = contextlib.ExitStack()
@@ -97,7 +97,7 @@ class JaxStep:
         self.step_fn = jax.jit(train_step.make_train_step(config, tx, schedule),
                                in_shardings=(state_shardings, batch_sharding),
                                out_shardings=(state_shardings, sharding.replicated(mesh)),
-                               donate_argnums=0 if donate else ())
+                               donate_argnums=0 if donate else (), compiler_options=compiler_options)
         self.batches = [jax.device_put(b, batch_sharding) for b in random_batches(config, num_batches)]
         self._next = 0
         self.compile_s = None

@@ -126,7 +126,10 @@ def test_init_follows_gpt2():
 
 # ---- the forward equation ----
 
-def test_forward_matches_float64_numpy_reference():
+@pytest.mark.parametrize("query_block", [128, 5], ids=["one block", "blocks of 5"])
+def test_forward_matches_float64_numpy_reference(query_block, monkeypatch):
+    # Blocks of 5 split the 16 queries 5, 5, 5, 1: each block sees only the keys up to its end.
+    monkeypatch.setattr(model, "CPU_QUERY_BLOCK", query_block)
     m = small_model()
     params = init(m, scale=8.0)
     ids = np.random.default_rng(1).integers(0, m.vocab_size, (2, 16))
@@ -147,7 +150,9 @@ def test_gelu_is_the_tanh_form():
     assert np.abs(ours - with_erf).max() > 10 * 1e-5 * np.abs(with_erf).max()
 
 
-def test_causality():
+@pytest.mark.parametrize("query_block", [128, 5], ids=["one block", "blocks of 5"])
+def test_causality(query_block, monkeypatch):
+    monkeypatch.setattr(model, "CPU_QUERY_BLOCK", query_block)
     m = small_model()
     params = init(m)
     ids = np.random.default_rng(3).integers(0, m.vocab_size, (1, 16))
@@ -205,6 +210,43 @@ def test_implementation_options_give_the_same_logits(options):
                                np.asarray(forward(m, params, ids)), atol=2e-5, rtol=1e-5)
     grads = jax.grad(lambda p: forward(other, p, ids).mean())(other_params)
     assert np.isfinite(summary.count(grads)) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_query_blocks_give_the_unblocked_loss_and_gradients(monkeypatch):
+    m = small_model()
+    params = init(m, scale=4.0)
+    ids = np.random.default_rng(7).integers(0, m.vocab_size, (2, 16))
+    loss = lambda p: forward(m, p, ids).mean()
+    expected, expected_grads = jax.value_and_grad(loss)(params)
+    monkeypatch.setattr(model, "CPU_QUERY_BLOCK", 6)  # blocks of 6, 6, 4
+    blocked, grads = jax.value_and_grad(loss)(params)
+    np.testing.assert_allclose(float(blocked), float(expected), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max(), rtol=0),
+                 grads, expected_grads)
+
+
+def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16():
+    # The written-out backward against autodiff of the same forward (the dropout path with
+    # an identity dropout), with a causal mask cut as a query block sees it (queries 5..11).
+    keys = jax.random.split(jax.random.key(8), 4)
+    q, k, v, g = (jax.random.normal(key, shape) for key, shape in
+                  zip(keys, [(2, 7, 3, 16), (2, 12, 3, 16), (2, 12, 3, 16), (2, 7, 3, 16)]))
+    causal = jnp.tril(jnp.ones((12, 12), bool))[5:12]
+    autodiff = lambda dtype: jax.vjp(lambda *qkv: model.softmax_attention(
+        *(x.astype(dtype) for x in qkv), causal, dtype, lambda p: p), q, k, v)
+    ours = lambda dtype: jax.vjp(lambda *qkv: model.softmax_attention(
+        *(x.astype(dtype) for x in qkv), causal, dtype), q, k, v)
+    (out, vjp), (ref_out, ref_vjp) = ours(jnp.float32), autodiff(jnp.float32)
+    np.testing.assert_array_equal(out, ref_out)
+    reference = ref_vjp(g)
+    for got, want in zip(vjp(g), reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # bf16: products of bf16-rounded cotangents, within bf16 error of the float32 gradients.
+    out16, vjp16 = ours(jnp.bfloat16)
+    assert out16.dtype == jnp.bfloat16
+    for got, want in zip(vjp16(g.astype(jnp.bfloat16)), reference):
+        assert got.dtype == jnp.float32
+        assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():
