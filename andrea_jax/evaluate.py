@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from andrea_jax import atomic, checkpoint, model, sampling, sharding, train_step
+from andrea_jax import atomic, attention, checkpoint, model, sampling, sharding, train_step
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import ConfigError, validate
 from andrea_jax.data import batcher, pipeline, sources, token_cache
@@ -53,9 +53,6 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     if saved is None:
         raise EvalError(f"{workdir} holds no {run_dir.CONFIG_FILE}; pass the directory train.py wrote, "
                         f"or --config with the run's config file")
-    if saved.model.attention == "flash" and jax.devices()[0].platform != "tpu":
-        # The kernel is the training machine's choice, not part of the model: pick this machine's.
-        saved.model.attention = "auto"
     return saved
 
 
@@ -98,6 +95,9 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = 
             raise EvalError(f"no checkpoint in {directory} yet; train first (python train.py --workdir "
                             f"{workdir} ...), a checkpoint is written every checkpoint_every steps and at the end")
         mesh, config = _mesh_for(config)
+        # The kernel is the training machine's choice, not part of the model: one this machine
+        # lacks gives way to this machine's own.
+        config.model.attention = attention.for_saved_run(config.model, mesh.devices.flat[0])
         axis_rules = sharding.rules(config)
         with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
             boxed = jax.eval_shape(partial(model.init_params, config.model), jax.random.key(0))

@@ -22,6 +22,8 @@ CONFIG_FILE = "config.json"
 LOCK_FILE = "run.lock"  # held by the training run's process 0 for the run's whole life
 PROJECT = "andrea-jax"
 # Keys that decide the shapes or layout of the saved params.
+# Attention kernels this version replaced, as a saved config names them: what each one reads as now.
+RENAMED_ATTENTION = {"flash": "splash", "dot_product": "auto"}
 SHAPE_KEYS = ("n_layer", "d_model", "n_head", "mlp_dim", "vocab_size", "vocab_pad_multiple", "max_len",
               "scan_layers", "norm_position", "residual", "activation", "mlp_ratio")
 
@@ -51,6 +53,7 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
     except (KeyError, TypeError, ValueError) as error:
         raise ConfigError(f"{path} does not fit this version's config ({error}); use the andrea-jax version "
                           f"that wrote it or a new --workdir") from error
+    config.model.attention = RENAMED_ATTENTION.get(config.model.attention, config.model.attention)
     return config
 
 
