@@ -58,8 +58,8 @@ from andrea_jax.config import padded_vocab_size
 from andrea_jax.precision import compute_dtype, matmul
 
 INIT_STD = 0.02  # GPT-2's normal init for weights and embeddings
-# On a CPU the einsum attention runs in blocks of this many queries (see Attention).
-CPU_QUERY_BLOCK = 128
+# On CPUs and GPUs the einsum attention runs in blocks of this many queries (see Attention).
+QUERY_BLOCK = 128
 ACTIVATIONS = {
     "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
     "gelu_exact": lambda h: jax.nn.gelu(h, approximate=False),
@@ -260,15 +260,16 @@ class Attention(nn.Module):
         else:
             drop = (None if deterministic or self.dropout == 0.0 else
                     lambda probs: nn.Dropout(self.dropout)(probs, deterministic=False))
-            if cache_index is None and sharding.program_platform() == "cpu" and length > CPU_QUERY_BLOCK:
+            if cache_index is None and sharding.program_platform() in ("cpu", "gpu") and length > QUERY_BLOCK:
                 # Query block i attends keys [0, end of block i) only: the blocks above the causal
                 # diagonal are never computed (a quarter of the square at 2 blocks), and each row
-                # still gets one exact softmax over all its keys. Measured on a CPU (bench/RESULTS.md).
+                # still gets one exact softmax over all its keys. Measured on a CPU step and in a
+                # T4's compiled step (bench/RESULTS.md); TPUs run the splash kernel instead.
                 out_BxLxHxK = jnp.concatenate([
                     softmax_attention(q_BxLxHxK[:, start:stop], k_BxSxHxK[:, :stop], v_BxSxHxK[:, :stop],
                                       causal_LxS[start:stop, :stop], self.dtype, drop)
-                    for start in range(0, length, CPU_QUERY_BLOCK)
-                    for stop in [min(start + CPU_QUERY_BLOCK, length)]], axis=1)
+                    for start in range(0, length, QUERY_BLOCK)
+                    for stop in [min(start + QUERY_BLOCK, length)]], axis=1)
             else:
                 out_BxLxHxK = softmax_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, self.dtype, drop)
 

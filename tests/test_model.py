@@ -132,7 +132,7 @@ def test_init_follows_gpt2():
 @pytest.mark.parametrize("query_block", [128, 5], ids=["one block", "blocks of 5"])
 def test_forward_matches_float64_numpy_reference(query_block, monkeypatch):
     # Blocks of 5 split the 16 queries 5, 5, 5, 1: each block sees only the keys up to its end.
-    monkeypatch.setattr(model, "CPU_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(model, "QUERY_BLOCK", query_block)
     m = small_model()
     params = init(m, scale=8.0)
     ids = np.random.default_rng(1).integers(0, m.vocab_size, (2, 16))
@@ -155,7 +155,7 @@ def test_gelu_is_the_tanh_form():
 
 @pytest.mark.parametrize("query_block", [128, 5], ids=["one block", "blocks of 5"])
 def test_causality(query_block, monkeypatch):
-    monkeypatch.setattr(model, "CPU_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(model, "QUERY_BLOCK", query_block)
     m = small_model()
     params = init(m)
     ids = np.random.default_rng(3).integers(0, m.vocab_size, (1, 16))
@@ -221,7 +221,7 @@ def test_query_blocks_give_the_unblocked_loss_and_gradients(monkeypatch):
     ids = np.random.default_rng(7).integers(0, m.vocab_size, (2, 16))
     loss = lambda p: forward(m, p, ids).mean()
     expected, expected_grads = jax.value_and_grad(loss)(params)
-    monkeypatch.setattr(model, "CPU_QUERY_BLOCK", 6)  # blocks of 6, 6, 4
+    monkeypatch.setattr(model, "QUERY_BLOCK", 6)  # blocks of 6, 6, 4
     blocked, grads = jax.value_and_grad(loss)(params)
     np.testing.assert_allclose(float(blocked), float(expected), rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max(), rtol=0),
