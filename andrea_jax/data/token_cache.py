@@ -148,7 +148,8 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
             out.flush()
             os.fsync(out.fileno())
     except BaseException:  # a failed build leaves nothing behind
-        os.remove(temporary)
+        with contextlib.suppress(FileNotFoundError):  # `open` itself may have failed
+            os.remove(temporary)
         raise
     if num_tokens == 0:
         os.remove(temporary)
