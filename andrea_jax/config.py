@@ -31,8 +31,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_batches = 20  # validation batches per periodic evaluation
     c.checkpoint_every = 1000
     c.keep_checkpoints = 3
-    # Peak FLOP/s used for MFU when the device is not in the known table
-    # (0 = measure the matmul rate of this device in the compute dtype at start-up).
+    # Peak FLOP/s of one device for MFU when it is not in the known table
+    # (0 = the table's peak; CPUs have none in it, so no MFU is recorded for them).
     c.peak_flops = 0.0
     # Per-block gradient norms, sub-layer delta ratios and stream norms among the
     # train step's metrics (keys "diag/..."); a few reductions a step.

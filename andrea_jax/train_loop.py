@@ -128,10 +128,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
     peak, peak_source = flops.peak_flops(config)
     if leader:
         print(summary.format_table(config.model))
+        mfu = f"no MFU: {peak_source}"
+        if peak is not None:
+            mfu = (f"MFU in the nanoGPT/PaLM convention ({flops.flops_per_token(config.model, config.seq_len) / 1e6:.1f}"
+                   f" MFLOP a token) against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
         print(f"mesh {sharding.describe(mesh)}; compute {config.model.dtype}; "
-              f"{config.batch_size * config.seq_len:,} tokens a step; MFU in the nanoGPT/PaLM convention "
-              f"({flops.flops_per_token(config.model, config.seq_len) / 1e6:.1f} MFLOP a token) "
-              f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})", flush=True)
+              f"{config.batch_size * config.seq_len:,} tokens a step; {mfu}", flush=True)
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
         abstract, state_shardings = fit.abstract_state(config, mesh, axis_rules, jax.random.key(config.seed))
@@ -175,7 +177,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
 
 
 def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], prepared: pipeline.Prepared,
-          mesh: jax.sharding.Mesh, peak: float, ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
+          mesh: jax.sharding.Mesh, peak: float | None, ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
     config, leader = steps.config, jax.process_index() == 0
     batch_sharding = sharding.batch_sharding(mesh)
     tokens_per_step = config.batch_size * config.seq_len
@@ -236,7 +238,8 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
                     "loss": float(np.mean(interval_losses)),
                     "lr": float(values[-1][1]["lr"]), "grad_norm": float(values[-1][1]["grad_norm"]),
                     "tokens_per_second": tokens_per_second,
-                    "mfu": flops_per_step * interval_steps / elapsed / (peak * mesh.devices.size),
+                    **({} if peak is None else
+                       {"mfu": flops_per_step * interval_steps / elapsed / (peak * mesh.devices.size)}),
                     # config.diagnostics: the per-block figures of the interval's last step
                     **{key: float(value) for key, value in values[-1][1].items() if key.startswith("diag/")},
                     # float16: the loss scale, and how many steps it has skipped since the start
@@ -246,7 +249,7 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
                 writer.write(done, last_record)
                 interval_losses.clear()
                 progress.set_postfix(loss=f"{last_record['loss']:.3f}", tok_s=f"{tokens_per_second:,.0f}",
-                                     mfu=f"{100 * last_record['mfu']:.1f}%")
+                                     **({"mfu": f"{100 * last_record['mfu']:.1f}%"} if "mfu" in last_record else {}))
                 interval_start, interval_steps = time.perf_counter(), 0
 
             if done % config.eval_every == 0 or done == config.steps:

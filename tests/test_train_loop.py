@@ -54,8 +54,8 @@ def test_metrics_records_and_falling_loss(tmp_path):
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [2, 4, 6, 8, 10, 12]
     for r in train_records:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_second", "mfu"} <= r.keys()
-        assert r["tokens_per_second"] > 0 and 0 < r["mfu"] < 1
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_second"} <= r.keys()
+        assert r["tokens_per_second"] > 0 and "mfu" not in r  # a CPU has no known peak
         # config.diagnostics: per-block figures for both blocks, stream norms at every depth
         assert {"diag/grad_norm/block_0", "diag/grad_norm/block_1", "diag/attn_delta_ratio/block_1",
                 "diag/mlp_delta_ratio/block_0", "diag/stream_norm/depth_2"} <= r.keys()
