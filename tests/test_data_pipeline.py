@@ -34,12 +34,17 @@ def make_config(tmp_path, source, tokenizer="byte", vocab_size=0):
     return config
 
 
-def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path):
+def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path, capsys):
     corpus = make_corpus(tmp_path / "corpus")
     config = make_config(tmp_path, f"text:{corpus}", tokenizer="bpe")
     config.data.tokenizer_train_bytes = 50_000
     workdir = tmp_path / "run"
     first = pipeline.prepare(config, str(workdir))
+    # Each slow start-up stage says what it is doing before it starts.
+    assert capsys.readouterr().out.splitlines() == [
+        "training the BPE tokenizer (8192 merges) on up to 0.05 MB of the training split",
+        f"encoding the train split into the token cache {first.train.path}",
+        f"encoding the val split into the token cache {first.val.path}"]
 
     tokenizer = first.tokenizer
     assert tokenizer.kind == "bpe" and 257 < tokenizer.vocab_size <= 8449
@@ -57,6 +62,7 @@ def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path):
     config.data.tokenizer_train_bytes = 10_000  # would train another tokenizer
     modified = os.path.getmtime(first.train.path)
     resumed = pipeline.prepare(config, str(workdir))
+    assert capsys.readouterr().out == ""  # nothing to train or encode
     assert resumed.tokenizer.sha256 == tokenizer.sha256
     assert resumed.train.path == first.train.path
     assert os.path.getmtime(resumed.train.path) == modified

@@ -78,13 +78,16 @@ def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Token
     if kind == "byte":
         return tokenizers.ByteTokenizer()
     if kind == "char":
+        print("collecting the character tokenizer's characters from the training split", flush=True)
         return tokenizers.build_char(_all_texts(train))
     if kind == "bpe":
         wanted = int(config.model.vocab_size)
         # 256 byte tokens + merges + end-of-text: the model's size fixes the merges.
         merges = wanted - 257 if wanted > 257 else tokenizers.BPE_MERGES
-        sample = training_sample(train, int(config.data.tokenizer_train_bytes))
-        return tokenizers.train_bpe(sample, merges)
+        max_bytes = int(config.data.tokenizer_train_bytes)
+        print(f"training the BPE tokenizer ({merges} merges) on up to {max_bytes / 1e6:g} MB of the training split",
+              flush=True)
+        return tokenizers.train_bpe(training_sample(train, max_bytes), merges)
     if not os.path.isfile(kind):
         raise DataError(f"data.tokenizer={kind!r} is not 'bpe', 'byte', 'char' or an existing "
                         f"tokenizer.json file")

@@ -208,6 +208,8 @@ def load_or_build(documents: Documents, tokenizer: Tokenizer, directory: str, sp
         cached, problem = load(directory, split, tokenizer.sha256)  # another process may have built it
         if cached is not None:
             return cached
+        tokens_path = _paths(directory, split)[0]
         if problem:
-            print(f"token cache {_paths(directory, split)[0]} is unusable ({problem}); rebuilding")
+            print(f"token cache {tokens_path} is unusable ({problem}); rebuilding")
+        print(f"encoding the {split} split into the token cache {tokens_path}", flush=True)
         return build(documents, tokenizer, directory, split, identity, progress)
