@@ -161,6 +161,20 @@ def test_training_sample_is_bounded_and_spread_out():
     assert pipeline.training_sample(ListDocuments(["ab", "cd"]), 1_000_000) == ["ab", "cd"]
 
 
+def test_shakespeare_char_recipe_runs_offline_from_a_local_copy(tmp_path):
+    """configs/shakespeare_char.py with --config.data.source=text:PATH, as the README gives it for offline use."""
+    from tests.test_config import CONFIGS, load
+    config = load(next(p for p in CONFIGS if p.stem == "shakespeare_char"))
+    text = "".join(f"ROMEO {i}:\nBut soft, what light through yonder window breaks?\n" for i in range(150))
+    (tmp_path / "input.txt").write_text(text)
+    config.data.source, config.data.cache_dir = f"text:{tmp_path / 'input.txt'}", str(tmp_path / "cache")
+    prepared = pipeline.prepare(config, str(tmp_path / "run"))
+    assert prepared.tokenizer.kind == "char" and prepared.tokenizer.vocab_size == len(set(text)) + 1
+    cut = int(len(text) * 0.9)  # nanoGPT's 90/10 split by position; + end-of-text each
+    assert (prepared.train.num_tokens, prepared.val.num_tokens) == (cut + 1, len(text) - cut + 1)
+    assert prepared.tokenizer.decode(prepared.val.tokens[:-1]) == text[cut:]
+
+
 def test_shakespeare_char_matches_nanogpt_split(tmp_path):
     if not os.path.exists(SHAKESPEARE):
         pytest.skip(f"{SHAKESPEARE} is not on this machine")

@@ -34,10 +34,6 @@ class Prepared:
     val: TokenSplit
 
 
-def cache_dir_of(data: ml_collections.ConfigDict) -> str:
-    return os.path.expanduser(data.cache_dir or "~/.cache/andrea_jax")
-
-
 def training_sample(documents: Documents, max_bytes: int) -> list[str]:
     """About max_bytes of text from evenly spaced stretches of the documents.
 
@@ -132,7 +128,7 @@ def _check_sizes(config: ml_collections.ConfigDict, train: TokenSplit, val: Toke
 
 
 def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
-    cache_dir = cache_dir_of(config.data)
+    cache_dir = sources.cache_dir_of(config.data)
     os.makedirs(workdir, exist_ok=True)
     splits = sources.open_source(config.data)
     tokenizer = tokenizer_for_run(config, workdir, splits.train)
