@@ -31,8 +31,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_batches = 20  # validation batches per periodic evaluation
     c.checkpoint_every = 1000
     c.keep_checkpoints = 3
-    # Peak FLOP/s used for MFU when the device is not in the known table
-    # (0 = measure the matmul rate of this device in the compute dtype at start-up).
+    # Peak FLOP/s of one device for MFU when it is not in the known table
+    # (0 = the table's peak; CPUs have none in it, so no MFU is recorded for them).
     c.peak_flops = 0.0
     # Per-block gradient norms, sub-layer delta ratios and stream norms among the
     # train step's metrics (keys "diag/..."); a few reductions a step.
@@ -59,14 +59,14 @@ def base_config() -> ml_collections.ConfigDict:
     m.mlp_ratio = 0.0  # 0 = the MLP width is mlp_dim; else mlp_ratio × d_model (mlp_dim is then unused)
 
     c.data = d = ml_collections.ConfigDict()
-    d.source = "stdlib"  # "tfds:NAME[/CONFIG]", "text:PATH_OR_GLOB" or "stdlib"
+    d.source = "stdlib"  # "tfds:NAME[/CONFIG]", "text:PATH_OR_GLOB", "url:URL" (one text file) or "stdlib"
     d.tokenizer = "bpe"  # "bpe", "byte", "char" or a path to a tokenizer.json
     d.text_field = "text"  # TFDS feature holding the document text
     d.train_split = "train"
     d.val_split = "validation"  # used when the dataset has it
     d.val_fraction = 0.05  # held out by document when it has not
     d.tokenizer_train_bytes = 64_000_000  # bound on the BPE training sample
-    d.cache_dir = ""  # token caches; "" = ~/.cache/andrea_jax
+    d.cache_dir = ""  # token caches and url: downloads; "" = ~/.cache/andrea_jax
     d.tfds_data_dir = ""  # "" = the TFDS default (~/tensorflow_datasets)
 
     c.optimizer = o = ml_collections.ConfigDict()

@@ -42,6 +42,9 @@ def test_config_files_are_the_expected_models():
     assert (s.model.n_layer, s.model.n_head, s.model.d_model, s.seq_len, s.batch_size, s.steps) == \
         (4, 4, 128, 64, 12, 2000)
     assert s.optimizer.learning_rate == 1e-3 and s.data.tokenizer == "char"
+    # nanoGPT's text, fetched into the data cache: nothing outside a fresh clone is needed.
+    assert s.data.source == ("url:https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                             "tinyshakespeare/input.txt") and s.data.val_fraction == 0.1
     assert configs["tiny"].data.source == "stdlib"
 
 

@@ -1,7 +1,8 @@
 """`data.source` -> train and validation documents.
 
 `tfds:NAME[/CONFIG]` opens a registered dataset (downloaded and prepared on
-first use); `text:PATH_OR_GLOB` and `stdlib` read local files (`local_files.py`).
+first use); `text:PATH_OR_GLOB` and `stdlib` read local files, and `url:URL` a file
+downloaded once into the data cache (`local_files.py`).
 Validation is the dataset's own split when it has one, else every k-th
 document, else (few documents) the last fraction of the text.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import os
 import re
 import socket
 import sys
@@ -25,6 +27,11 @@ from andrea_jax.data import DataError, local_files
 MIN_VAL_DOCUMENTS = 10
 # TFDS downloads from many hosts; its own bucket stands for "the internet".
 NETWORK_PROBE = ("storage.googleapis.com", 443)
+
+
+def cache_dir_of(data: ml_collections.ConfigDict) -> str:
+    """Where token caches and downloads go."""
+    return os.path.expanduser(data.cache_dir or "~/.cache/andrea_jax")
 
 
 class Documents(Protocol):
@@ -249,9 +256,12 @@ def open_source(data: ml_collections.ConfigDict) -> Splits:
         splits = open_local(*local_files.list_stdlib_files(), data)
     elif source.startswith("text:"):
         splits = open_local(*local_files.list_text_files(source[len("text:"):]), data)
+    elif source.startswith("url:"):
+        path = local_files.download(source[len("url:"):], cache_dir_of(data))
+        splits = open_local(*local_files.list_text_files(path), data)
     elif source.startswith("tfds:"):
         splits = open_tfds(source[len("tfds:"):], data)
     else:
         raise DataError(f"data.source={source!r} is not 'tfds:NAME[/CONFIG]', "
-                        f"'text:PATH_OR_GLOB' or 'stdlib'")
+                        f"'text:PATH_OR_GLOB', 'url:URL' or 'stdlib'")
     return dataclasses.replace(splits, identity={"source": source, **splits.identity})
