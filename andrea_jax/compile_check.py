@@ -21,7 +21,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from andrea_jax import attention, cli, fit, flops, hbm_traffic, precision, sharding, targets
+from andrea_jax import cli, fit, flops, hbm_traffic, resolve, sharding, targets
 from andrea_jax.config import ConfigError, validate
 
 GIB = 2 ** 30
@@ -38,9 +38,7 @@ def compiled_for(config: ml_collections.ConfigDict, target: targets.Target, repo
     if config.model.vocab_size == 0:
         raise ConfigError("model.vocab_size=0 is taken from the tokenizer when a run prepares its data; pass "
                           "--config.model.vocab_size with the tokenizer's size (8449 for the ANDREA BPE)")
-    config = ml_collections.ConfigDict(config.to_dict())
-    config.model.dtype = precision.resolve_dtype_name(config.model.dtype, target.devices[0])
-    config.model.attention = attention.for_device(config.model, target.devices[0])
+    config = resolve.for_devices(config, target.devices[0])
     mesh = sharding.make_mesh(config, target.devices)
     axis_rules = sharding.rules(config)
     rng = jax.random.key(config.seed)  # made on this host: the target's devices cannot run it

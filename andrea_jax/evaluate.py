@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from andrea_jax import atomic, attention, checkpoint, model, sampling, sharding, train_step
+from andrea_jax import atomic, checkpoint, model, resolve, sampling, sharding, train_step
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import ConfigError, validate
 from andrea_jax.data import batcher, pipeline, sources, token_cache
@@ -95,9 +95,7 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = 
             raise EvalError(f"no checkpoint in {directory} yet; train first (python train.py --workdir "
                             f"{workdir} ...), a checkpoint is written every checkpoint_every steps and at the end")
         mesh, config = _mesh_for(config)
-        # The kernel is the training machine's choice, not part of the model: one this machine
-        # lacks gives way to this machine's own.
-        config.model.attention = attention.for_saved_run(config.model, mesh.devices.flat[0])
+        config = resolve.for_devices(config, mesh.devices.flat[0], evaluating=True)
         axis_rules = sharding.rules(config)
         with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
             boxed = jax.eval_shape(partial(model.init_params, config.model), jax.random.key(0))

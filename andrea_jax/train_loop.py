@@ -21,8 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import (attention, checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, precision,
-                        sharding, summary, train_step)
+from andrea_jax import (checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, resolve, sharding,
+                        summary, train_step)
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
@@ -70,10 +70,10 @@ def _barrier(name: str):
     return lambda: multihost_utils.sync_global_devices(name)
 
 
-def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool, device: Any = None
-            ) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
-    """Checks the workdir, prepares the data, fills in the tokenizer's vocabulary size and the
-    compute dtype "auto" stands for on `device` (config validated). Returns (prepared data,
+def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, device: Any = None
+                ) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
+    """Checks the workdir, prepares the data, fills in the tokenizer's vocabulary size and what
+    "auto" stands for on `device` (`resolve.for_devices`; config validated). Returns (prepared data,
     config, the config the workdir's run was started with or None)."""
     saved = run_dir.load_saved_config(workdir)
     read_by_all = _barrier("andrea_config_read")
@@ -97,13 +97,7 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool, devic
                             "prepare the data")
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size
-    if saved is not None:  # a resumed run keeps computing as it did: its losses stay exact
-        if config.model.dtype == "auto":
-            config.model.dtype = saved.model.dtype
-        if config.microbatches == 0 and saved.microbatches:
-            config.microbatches, config.model.remat = saved.microbatches, saved.model.remat
-    config.model.dtype = precision.resolve_dtype_name(config.model.dtype, device)  # the record says what ran
-    config.model.attention = attention.for_device(config.model, device)
+    config = resolve.for_devices(config, device, saved)  # the record says what ran
     # An existing run's config.json is rewritten by `train` once its checkpoints are known to fit.
     return prepared, config, saved
 
@@ -124,7 +118,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
     leader = jax.process_index() == 0
     validate(config)
     mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation
-    prepared, config, saved = resolve(config, workdir, leader, device=mesh.devices.flat[0])
+    prepared, config, saved = prepare_run(config, workdir, leader, device=mesh.devices.flat[0])
     axis_rules = sharding.rules(config)
     peak, peak_source = flops.peak_flops(config)
     if leader:

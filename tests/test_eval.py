@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from andrea_jax import checkpoint, evaluate, metrics, train_loop, train_step
-from andrea_jax import workdir as run_dir
 from andrea_jax.config import ConfigError
 from andrea_jax.data.tokenizer import CharTokenizer
 from tests.test_checkpoint import tiny_config
