@@ -224,12 +224,13 @@ class Attention(nn.Module):
                                 (self.n_head, head_dim, d_model), jnp.float32)
         out_bias = self.param("out_bias", _zeros(("embed",)), (d_model,), jnp.float32)
 
-        # Three products rather than one and three slices: each of q, k and v is written once, where
-        # the kernels read it (slices of one [B, L, 3, H, K] product were copied out, and their
-        # cotangents stacked back, at a step's cost of bytes).
+        # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
+        # and v is written once, where attention reads it (the slices were copies, and their
+        # cotangents were stacked back; bench/RESULTS.md).
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
             nn.with_logical_constraint(
-                (matmul(x_BxLxD, qkv_kernel[:, i], "bld,dhk->blhk", self.dtype, self.dtype) + qkv_bias[i]).astype(self.dtype),
+                (matmul(x_BxLxD, qkv_kernel[:, i], "bld,dhk->blhk", self.dtype, self.dtype)
+                 + qkv_bias[i]).astype(self.dtype),
                 ("act_batch", "act_len", "act_heads", None))
             for i in range(3))
 
