@@ -1,8 +1,9 @@
-"""Evaluate a run: python eval.py --workdir runs/tiny [--step N] [--batches N] [--prompt "def "]
+"""Evaluate a run: python eval.py --workdir runs/tiny [--step N] [--batches N] [--hellaswag] [--prompt "def "]
 
 Restores the params of the newest (or --step) checkpoint onto the devices present,
 reports validation loss, perplexity and bits per byte (also written to
-<workdir>/eval_step<N>.json) and, with --prompt, samples a continuation. The config
+<workdir>/eval_step<N>.json), with --hellaswag HellaSwag's accuracy (in the same
+file) and, with --prompt, samples a continuation. The config
 is the run's own config.json; --config FILE replaces it, --config.x=y changes a key.
 """
 
@@ -25,6 +26,11 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample among the likeliest tokens hol
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed")
 _TRACE = flags.DEFINE_string("trace", None, "Text to trace: what the model predicts after each block (logit lens), "
                              "printed and drawn into <workdir>/trace_step<N>.png")
+_HELLASWAG = flags.DEFINE_bool("hellaswag", False, "Also score HellaSwag (completion style: acc, acc_norm)")
+_HELLASWAG_SOURCE = flags.DEFINE_string("hellaswag_source", None, "tfds:hellaswag or a path to HellaSwag's JSONL "
+                                        "(default: the config's hellaswag.source)")
+_HELLASWAG_EXAMPLES = flags.DEFINE_integer("hellaswag_examples", 0, "HellaSwag examples to score, evenly spaced "
+                                           "(0 = all)")
 _PLOT = flags.DEFINE_bool("plot", False, "Also draw the run's metrics.jsonl into <workdir>/metrics.png")
 flags.mark_flags_as_required(["workdir"])
 
@@ -56,7 +62,7 @@ def _define_config_flag(argv: list[str]) -> None:
     config_flags.DEFINE_config_dict("config", saved or ml_collections.ConfigDict(), lock_config=False)
 
 
-def _check_sampling_flags() -> str | None:
+def _check_flags() -> str | None:
     if _MAX_NEW_TOKENS.value < 1:
         return f"--max_new_tokens={_MAX_NEW_TOKENS.value} must be at least 1"
     if _TEMPERATURE.value < 0:
@@ -67,7 +73,31 @@ def _check_sampling_flags() -> str | None:
         return f"--top_p={_TOP_P.value} must be in (0, 1] (1 = no nucleus filter)"
     if _BATCHES.value is not None and _BATCHES.value < 0:
         return f"--batches={_BATCHES.value} must be >= 0 (0 = the whole split)"
+    if _HELLASWAG_EXAMPLES.value < 0:
+        return f"--hellaswag_examples={_HELLASWAG_EXAMPLES.value} must be >= 0 (0 = all)"
+    if _HELLASWAG_SOURCE.value is not None:
+        from andrea_jax.config import hellaswag_source_problem
+        problem = hellaswag_source_problem(_HELLASWAG_SOURCE.value)
+        if problem:
+            return f"--hellaswag_source: {problem}"
+        if not _HELLASWAG.value:
+            return "--hellaswag_source is given without --hellaswag; add --hellaswag to score it"
     return None
+
+
+def _hellaswag_rows(restored, leader: bool):
+    """(source, the token rows of the HellaSwag examples to score): --hellaswag_source, else the config's."""
+    from andrea_jax import hellaswag
+    from andrea_jax.config import hellaswag_source_problem
+    from andrea_jax.data import DataError
+    from andrea_jax.leader_first import leader_first
+    source = _HELLASWAG_SOURCE.value or str(restored.config.hellaswag.source)
+    problem = hellaswag_source_problem(source)
+    if problem:
+        raise DataError(f"{problem}; or pass --hellaswag_source")
+    read = lambda: hellaswag.load(source, restored.config.data.tfds_data_dir)  # process 0 prepares TFDS's copy
+    examples = leader_first(leader, read, read, "prepare the HellaSwag examples")
+    return source, hellaswag.rows_of(examples, _HELLASWAG_EXAMPLES.value, restored.tokenizer)
 
 
 def main(argv):
@@ -76,7 +106,7 @@ def main(argv):
         logging.set_verbosity(logging.ERROR)  # Orbax warns about read-only managers
     workdir = _WORKDIR.value
     # The cheap checks first: no JAX start-up to learn that a path is wrong.
-    problem = _check_sampling_flags()
+    problem = _check_flags()
     if problem is None and not os.path.isdir(workdir):
         problem = f"--workdir {workdir} does not exist; pass the directory train.py wrote"
     if problem is not None:
@@ -99,7 +129,13 @@ def main(argv):
         # As in training: the leader builds a missing validation cache, the others then read it.
         find_split = lambda: evaluate.validation_split(restored.config, restored.tokenizer)
         split = leader_first(leader, find_split, find_split, "build the validation token cache")
+        # Read before anything is scored or written: a bad file stops here.
+        source, rows = _hellaswag_rows(restored, leader) if _HELLASWAG.value else (None, None)
         report = evaluate.score(restored, split, batches)
+        if _HELLASWAG.value:
+            from andrea_jax import hellaswag
+            report["hellaswag"] = {"source": source, **hellaswag.score_on_mesh(restored.params, rows,
+                                                                                  restored.config, restored.mesh)}
         # Every process takes part in each computation (scoring, sampling); the leader reports.
         say = print if leader else (lambda *args, **kwargs: None)
         path = evaluate.write_report(workdir, report) if leader else None
@@ -107,6 +143,11 @@ def main(argv):
               f"bits per byte {report['bits_per_byte']:.4f} over {report['tokens']:,} tokens "
               f"({100 * report['fraction_of_split']:.1f}% of the split, {report['batches']} batches) "
               f"on {report['mesh']}")
+        if _HELLASWAG.value:
+            h = report["hellaswag"]
+            say(f"step {report['step']}: HellaSwag acc {h['acc']:.4f} ± {h['acc_stderr']:.4f}, acc_norm "
+                f"{h['acc_norm']:.4f} ± {h['acc_norm_stderr']:.4f} over {h['examples']:,} of the "
+                f"{h['source_examples']:,} examples of {source} (completion style; acc_norm: mean per token)")
         say(f"wrote {path}", flush=True)
         if _PROMPT.value is not None:
             text = evaluate.continue_text(restored, _PROMPT.value, max_new_tokens=_MAX_NEW_TOKENS.value,

@@ -6,6 +6,8 @@ Config files in `configs/` start from `base_config()` and change what they need;
 
 from __future__ import annotations
 
+import os
+
 import ml_collections
 
 # The ANDREA vocabulary: 256 byte tokens + 8192 BPE merges + end-of-text.
@@ -68,6 +70,12 @@ def base_config() -> ml_collections.ConfigDict:
     d.tokenizer_train_bytes = 64_000_000  # bound on the BPE training sample
     d.cache_dir = ""  # token caches and url: downloads; "" = ~/.cache/andrea_jax
     d.tfds_data_dir = ""  # "" = the TFDS default (~/tensorflow_datasets)
+
+    # HellaSwag (`hellaswag.py`): completion-style accuracy, scored in the validation step's batch shape.
+    c.hellaswag = h = ml_collections.ConfigDict()
+    h.every = 0  # score it every N steps during training and at the end; 0 = never (eval.py --hellaswag: any run)
+    h.source = "tfds:hellaswag"  # TFDS's validation split, or a path to the original JSONL (hellaswag_val.jsonl)
+    h.examples = 0  # examples a score during training takes, evenly spaced, the same each time; 0 = all 10,042
 
     c.optimizer = o = ml_collections.ConfigDict()
     o.learning_rate = 6e-4
@@ -163,6 +171,26 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
                 f"number of units; pick a ratio that gives one, or set mlp_ratio=0 and model.mlp_dim")
 
 
+def hellaswag_source_problem(source: str) -> str | None:
+    """What is wrong with a HellaSwag source, naming the fix; None when it can be read."""
+    if source.startswith("tfds:"):
+        return None if source == "tfds:hellaswag" else \
+            f"the TFDS HellaSwag source is 'tfds:hellaswag', not {source!r}; anything else is a path to a JSONL file"
+    if not os.path.isfile(source):
+        return (f"HellaSwag file {source!r} does not exist; pass the path of HellaSwag's JSONL "
+                f"(hellaswag_val.jsonl) or 'tfds:hellaswag'")
+    return None
+
+
+def validate_hellaswag(h: ml_collections.ConfigDict) -> None:
+    for key in ("every", "examples"):
+        if int(h[key]) < 0:
+            raise ConfigError(f"hellaswag.{key}={h[key]} must be >= 0 (0 = {'never' if key == 'every' else 'all'})")
+    problem = hellaswag_source_problem(str(h.source)) if h.every else None
+    if problem:
+        raise ConfigError(f"hellaswag.source: {problem}; or hellaswag.every=0 (no HellaSwag in training)")
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
     """Checks that need no devices; mesh checks live in `sharding.make_mesh`."""
     validate_model(c.model)
@@ -180,6 +208,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"batch_size={c.batch_size} is not divisible by microbatches={c.microbatches}; "
             f"make batch_size a multiple of microbatches")
+    validate_hellaswag(c.hellaswag)
     o = c.optimizer
     if o.decay not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optimizer.decay={o.decay!r} is not one of cosine, linear, constant")

@@ -21,8 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import (checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, resolve, sharding,
-                        summary, train_step)
+from andrea_jax import (checkpoint, evaluate, fit, flops, hellaswag, loss_scale, metrics, optimizer, resolve,
+                        sharding, summary, train_step)
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
@@ -118,7 +118,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
     leader = jax.process_index() == 0
     validate(config)
     mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation
+    hellaswag_examples = None
+    if config.hellaswag.every:  # before the data work: offline, an unprepared TFDS HellaSwag stops in seconds
+        read = lambda: hellaswag.load(config.hellaswag.source, config.data.tfds_data_dir)
+        hellaswag_examples = leader_first(leader, read, read, "prepare the HellaSwag examples")
     prepared, config, saved = prepare_run(config, workdir, leader, device=mesh.devices.flat[0])
+    hellaswag_rows = None if hellaswag_examples is None else \
+        hellaswag.rows_of(hellaswag_examples, config.hellaswag.examples, prepared.tokenizer)
     axis_rules = sharding.rules(config)
     peak, peak_source = flops.peak_flops(config)
     if leader:
@@ -165,7 +171,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
                 run_dir.save_config(workdir, config)
             # After the truncation, which replaces the file.
             writer = metrics.Writer(workdir, enabled=leader, start_step=start_step)
-            return _loop(steps, state, start_step, carried_losses, prepared, mesh, peak, ckpt, writer)
+            return _loop(steps, state, start_step, carried_losses, prepared, hellaswag_rows, mesh, peak, ckpt,
+                         writer)
         finally:
             ckpt.close()  # an async save not waited for is lost
             if writer is not None:
@@ -173,13 +180,16 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
 
 
 def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], prepared: pipeline.Prepared,
-          mesh: jax.sharding.Mesh, peak: float | None, ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
+          hellaswag_rows: hellaswag.Encoded | None, mesh: jax.sharding.Mesh, peak: float | None,
+          ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
     config, leader = steps.config, jax.process_index() == 0
     batch_sharding = sharding.batch_sharding(mesh)
     tokens_per_step = config.batch_size * config.seq_len
     flops_per_step = flops.flops_per_token(config.model, config.seq_len) * tokens_per_step
     val_windows = config.batch_size * min(config.eval_batches, batcher.num_val_batches(
         prepared.val.num_tokens, config.batch_size, config.seq_len))
+    # The per-token losses of the validation step's batch shape: compiled at the first HellaSwag score.
+    hellaswag_step = hellaswag.make_step(config, mesh) if hellaswag_rows is not None else None
 
     def make_batch(step: int) -> np.ndarray:
         return batcher.train_batch(prepared.train.tokens, seed=config.seed, step=step, batch_size=config.batch_size,
@@ -254,6 +264,16 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
                 writer.write(done, {"val_loss": val_loss})
                 last_record = {**last_record, "val_loss": val_loss}
                 progress.write(f"step {done}: val_loss {val_loss:.4f}")
+                interval_start, interval_steps = time.perf_counter(), 0
+
+            if hellaswag_step is not None and (done % config.hellaswag.every == 0 or done == config.steps):
+                scored = hellaswag.metrics_of(hellaswag.score(hellaswag_step, state["params"], hellaswag_rows,
+                                                              config, batch_sharding))
+                writer.write(done, scored)
+                last_record = {**last_record, **scored}
+                progress.write(f"step {done}: hellaswag acc {scored['hellaswag/acc']:.4f} ± "
+                               f"{scored['hellaswag/acc_stderr']:.4f}, acc_norm {scored['hellaswag/acc_norm']:.4f} ± "
+                               f"{scored['hellaswag/acc_norm_stderr']:.4f} ({len(hellaswag_rows.labels)} examples)")
                 interval_start, interval_steps = time.perf_counter(), 0
 
             if stop.received and not stop.announced:

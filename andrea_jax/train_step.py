@@ -1,4 +1,4 @@
-"""The pure functions that run under `jit`: state init, the train step, the eval step.
+"""The pure functions that run under `jit`: state init, the train step, the eval steps (row losses, token losses).
 
 The training state is a plain dict pytree {"step", "params", "opt_state"}; the
 loop (`train_loop.py`) jits these with explicit shardings.
@@ -146,17 +146,29 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
     return train_step
 
 
-def make_eval_step(config: ml_collections.ConfigDict) -> Callable[[Any, jax.Array], jax.Array]:
-    """eval_step(params, batch [B, L+1]) -> each row's mean loss [B], one micro-batch at a time as in training."""
+def _row_by_row(config: ml_collections.ConfigDict, per_micro: Callable[[Any, jax.Array], jax.Array]
+                ) -> Callable[[Any, jax.Array], jax.Array]:
+    """per_micro(params, rows) -> a value a row, run one micro-batch at a time as in training, back in row order."""
     num_micro = max(1, int(config.microbatches))
 
-    def row_losses(params: Any, micro_BxLp1: jax.Array) -> jax.Array:
-        return _loss_and_collections(params, config.model, micro_BxLp1, None, ())[0].mean(axis=1)
-
-    def eval_step(params: Any, batch_BxLp1: jax.Array) -> jax.Array:
+    def step(params: Any, batch_BxLp1: jax.Array) -> jax.Array:
         if num_micro == 1:
-            return row_losses(params, batch_BxLp1)
-        losses_MxB = jax.lax.map(lambda micro_BxLp1: row_losses(params, micro_BxLp1),
-                                 split_microbatches(batch_BxLp1, num_micro))
-        return losses_MxB.T.reshape(-1)  # micro-batch m held rows m, m+M, ...: back in row order
-    return eval_step
+            return per_micro(params, batch_BxLp1)
+        out_MxBm = jax.lax.map(lambda micro_BxLp1: per_micro(params, micro_BxLp1),
+                               split_microbatches(batch_BxLp1, num_micro))
+        # micro-batch m held rows m, m+M, ...: back in row order
+        return out_MxBm.swapaxes(0, 1).reshape(-1, *out_MxBm.shape[2:])
+    return step
+
+
+def make_eval_step(config: ml_collections.ConfigDict) -> Callable[[Any, jax.Array], jax.Array]:
+    """eval_step(params, batch [B, L+1]) -> each row's mean loss [B], one micro-batch at a time as in training."""
+    return _row_by_row(config, lambda params, micro_BxLp1: _loss_and_collections(
+        params, config.model, micro_BxLp1, None, ())[0].mean(axis=1))
+
+
+def make_token_loss_step(config: ml_collections.ConfigDict) -> Callable[[Any, jax.Array], jax.Array]:
+    """token_loss_step(params, batch [B, L+1]) -> each target token's loss [B, L] (float32), for scoring parts
+    of a row (HellaSwag's endings); batched and micro-batched as the eval step."""
+    return _row_by_row(config, lambda params, micro_BxLp1: _loss_and_collections(
+        params, config.model, micro_BxLp1, None, ())[0])

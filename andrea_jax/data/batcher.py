@@ -17,7 +17,8 @@ import numpy as np
 from andrea_jax.data import DataError
 
 
-def _local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+def local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+    """The rows of a global batch that process `process_index` builds."""
     if batch_size % process_count:
         raise DataError(f"batch_size={batch_size} does not split over {process_count} processes; "
                         f"make batch_size a multiple of {process_count}")
@@ -42,7 +43,7 @@ def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, se
     if num_windows < 1:
         raise DataError(f"the training split has {len(tokens)} tokens, fewer than seq_len + 1 = "
                         f"{seq_len + 1}; lower seq_len or add text")
-    rows = _local_rows(batch_size, process_index, process_count)
+    rows = local_rows(batch_size, process_index, process_count)
     # Every process draws the whole global batch's offsets (cheap) and keeps its rows,
     # so the slices of all processes concatenate to the single-process batch.
     starts = np.random.default_rng([int(seed), int(step)]).integers(0, num_windows, size=batch_size)
@@ -68,7 +69,7 @@ def val_batch(tokens: np.ndarray, *, index: int, batch_size: int, seq_len: int,
     if not 0 <= index * batch_size < available:
         raise DataError(f"validation batch {index} does not exist: the split has {available} windows "
                         f"of {seq_len} tokens; ask for fewer eval batches")
-    rows = _local_rows(batch_size, process_index, process_count)
+    rows = local_rows(batch_size, process_index, process_count)
     windows = index * batch_size + np.arange(batch_size)
     starts = np.where(windows < available, windows, 0) * seq_len
     return _windows(tokens, starts[rows], seq_len)

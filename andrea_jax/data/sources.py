@@ -134,8 +134,10 @@ def missing_preparation_module(builder) -> str | None:
     return None
 
 
-def ensure_prepared(builder, network_check: Callable[[], bool] = network_available) -> None:
-    """Prepares a TFDS dataset, failing in seconds (not minutes of retries) offline."""
+def ensure_prepared(builder, network_check: Callable[[], bool] = network_available,
+                    instead: str = "or use data.source='stdlib' or 'text:PATH'") -> None:
+    """Prepares a TFDS dataset, failing in seconds (not minutes of retries) offline; `instead` ends the
+    offline message with what else the user can pass."""
     if builder.is_prepared():
         return
     name = builder.info.full_name
@@ -147,8 +149,7 @@ def ensure_prepared(builder, network_check: Callable[[], bool] = network_availab
     if not network_check():
         raise DataError(
             f"TFDS dataset {name} is not prepared in {builder.data_dir} and there is no network "
-            f"to download it; run once online, set data.tfds_data_dir to a prepared copy, "
-            f"or use data.source='stdlib' or 'text:PATH'")
+            f"to download it; run once online, set data.tfds_data_dir to a prepared copy, {instead}")
     try:
         builder.download_and_prepare(file_format="array_record")
     except ImportError as error:
@@ -157,7 +158,7 @@ def ensure_prepared(builder, network_check: Callable[[], bool] = network_availab
                         f"where it is installed and set data.tfds_data_dir") from None
 
 
-def _open_split(builder, split: str):
+def open_split(builder, split: str):
     try:
         return builder.as_data_source(split=split)
     except Exception as error:  # TFDS raises several types for one cause
@@ -231,9 +232,9 @@ def splits_of_builder(builder, data: ml_collections.ConfigDict,
     if train_split.split("[")[0] not in available:
         raise DataError(f"{builder.info.full_name} has no split {train_split!r}; set "
                         f"data.train_split to one of {sorted(available)}")
-    train = DataSourceDocuments(_open_split(builder, train_split), field)
+    train = DataSourceDocuments(open_split(builder, train_split), field)
     if val_split and val_split.split("[")[0] in available:
-        val, rule = DataSourceDocuments(_open_split(builder, val_split), field), f"split {val_split}"
+        val, rule = DataSourceDocuments(open_split(builder, val_split), field), f"split {val_split}"
     else:
         train, val, rule = hold_out(train, float(data.val_fraction))
     identity = {"dataset": builder.info.full_name, "field": field, "train_split": train_split,

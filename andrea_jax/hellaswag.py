@@ -1,0 +1,288 @@
+"""HellaSwag, completion style: each of an example's four endings scored by its log-likelihood after the context.
+
+An example is a context (`ctx`) and four endings, one of them right (`label`).
+Each (context, " " + ending) pair is one row of the validation batch [B, L+1]:
+its tokens from the start, cut from the left to the L+1 the row holds, padded on
+the right (the model is causal, so padding changes nothing before it). The
+per-token losses of the rows (`train_step.make_token_loss_step`, compiled for the
+shape the validation step has) are summed over the ending's tokens alone.
+
+  acc       the ending with the highest total log-likelihood is the label
+  acc_norm  the ending with the highest mean log-likelihood per token is the label
+
+(acc_norm as llm.c's hellaswag.py: per token, not lm-eval-harness's per byte.)
+Ties go to the lowest-numbered ending. Each comes with its standard error,
+sqrt(p(1 - p) / n) over the n examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import os
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from andrea_jax import sharding, train_step
+from andrea_jax.data import DataError, batcher, sources
+from andrea_jax.data.tokenizer import Tokenizer
+
+TFDS_SPLIT = "validation"
+VALIDATION_EXAMPLES = 10_042  # the validation split everyone reports
+ENDINGS = 4
+OFFLINE_ALTERNATIVES = ("or pass a local hellaswag_val.jsonl (--hellaswag_source=PATH to eval.py, "
+                        "--config.hellaswag.source=PATH to train.py; --config.hellaswag.every=0 trains without)")
+FORMAT = "HellaSwag's JSONL: one object a line with ctx (text), endings (4 texts) and label (0-3)"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Example:
+    context: str
+    endings: tuple[str, ...]  # ENDINGS of them
+    label: int  # index of the right ending
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """The token rows of the examples, four an example (ending e of example i is row 4i + e), unpadded."""
+    ids: np.ndarray  # int32: every row's context + ending tokens, one row after the other
+    starts: np.ndarray  # int64 [R + 1]: row r is ids[starts[r]:starts[r + 1]]
+    ending_lengths: np.ndarray  # int64 [R]: the row's last tokens that are its ending
+    labels: np.ndarray  # int64 [N]
+    source_examples: int = 0  # how many the source holds (the rows may be a sample of them)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ending_lengths)
+
+
+# ---------------------------------------------------------------- reading
+
+def _example(row: Any, where: str) -> Example:
+    """An Example from one object of the original JSONL; DataError naming `where` otherwise."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where} is not a JSON object; the file must be {FORMAT}")
+    context, endings, label = row.get("ctx"), row.get("endings"), row.get("label")
+    if not isinstance(context, str):
+        raise DataError(f"{where} has no text field ctx; the file must be {FORMAT}")
+    if not (isinstance(endings, list) and len(endings) == ENDINGS and all(isinstance(e, str) for e in endings)):
+        raise DataError(f"{where} has no list of {ENDINGS} texts in endings; the file must be {FORMAT}")
+    if label is None:
+        raise DataError(f"{where} has no label (HellaSwag's test split has none); use the validation "
+                        f"split, hellaswag_val.jsonl")
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < ENDINGS:
+        raise DataError(f"{where} has label {label!r}, not one of 0-{ENDINGS - 1}; the file must be {FORMAT}")
+    return Example(context, tuple(endings), label)
+
+
+def read_jsonl(path: str) -> list[Example]:
+    """The examples of a local file in the original format (hellaswag_val.jsonl); read as data only."""
+    if not os.path.isfile(path):
+        raise DataError(f"HellaSwag file {path} does not exist; pass the path of {FORMAT} (such as "
+                        f"hellaswag_val.jsonl), or tfds:hellaswag")
+    examples = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path} line {number} is not JSON ({error.msg}); the file must be {FORMAT}") from None
+            examples.append(_example(row, f"{path} line {number}"))
+    if not examples:
+        raise DataError(f"{path} holds no examples; the file must be {FORMAT}")
+    return examples
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def from_tfds_record(record: dict) -> Example:
+    """An Example from a record of TFDS's hellaswag builder (context, endings, label)."""
+    return Example(_text(record["context"]), tuple(_text(e) for e in record["endings"]), int(record["label"]))
+
+
+def read_tfds(data_dir: str = "", split: str = TFDS_SPLIT,
+              network_check: Callable[[], bool] = sources.network_available) -> list[Example]:
+    """TFDS's hellaswag split, downloaded (12 MB) and prepared on first use; offline, a DataError in seconds.
+
+    The builder reads the original JSONL through etils: no TensorFlow."""
+    import tensorflow_datasets as tfds
+
+    importlib.import_module("tensorflow_datasets.text.hellaswag")  # registers the builder: tfds does not by itself
+    builder = tfds.builder("hellaswag", data_dir=data_dir or None, file_format="array_record")
+    return examples_of_builder(builder, split, network_check)
+
+
+def examples_of_builder(builder, split: str, network_check: Callable[[], bool]) -> list[Example]:
+    sources.ensure_prepared(builder, network_check, instead=OFFLINE_ALTERNATIVES)
+    records = sources.open_split(builder, split)
+    examples = [from_tfds_record(r) for r in records.__getitems__(list(range(len(records))))]
+    unlabelled = sum(e.label < 0 for e in examples)
+    if unlabelled:
+        raise DataError(f"split {split!r} of {builder.info.full_name} has {unlabelled} examples without a label; "
+                        f"use the {TFDS_SPLIT} split")
+    return examples
+
+
+def load(source: str, data_dir: str = "",
+         network_check: Callable[[], bool] = sources.network_available) -> list[Example]:
+    """The examples `source` names (as `config.hellaswag_source_problem` accepts): tfds:hellaswag's validation
+    split, or a JSONL file in the original format; sorted by their text, so that a sample of them is the same
+    from either (TFDS stores the records shuffled)."""
+    return sorted(read_tfds(data_dir, network_check=network_check) if source.startswith("tfds:")
+                  else read_jsonl(source))
+
+
+def evenly_spaced(examples: Sequence[Example], count: int) -> list[Example]:
+    """`count` examples spread over the whole set (0 or more than there are: all), the same every time."""
+    if count <= 0 or count >= len(examples):
+        return list(examples)
+    return [examples[i] for i in np.arange(count) * len(examples) // count]
+
+
+# ---------------------------------------------------------------- token rows
+
+def rows_of(examples: Sequence[Example], count: int, tokenizer: Tokenizer) -> Encoded:
+    """The token rows of `count` of the examples (0 = all of them), evenly spaced."""
+    return dataclasses.replace(encode(evenly_spaced(examples, count), tokenizer), source_examples=len(examples))
+
+
+def encode(examples: Sequence[Example], tokenizer: Tokenizer) -> Encoded:
+    """Each example's four rows: the context's tokens, then the ending's, tokenized apart as " " + ending.
+
+    An empty context starts from end-of-text, so that the ending's first token has something to follow.
+    """
+    contexts = tokenizer.encode_arrays([e.context for e in examples])
+    endings = tokenizer.encode_arrays([" " + ending for e in examples for ending in e.endings])
+    rows = []
+    for index, context in enumerate(contexts):
+        if len(context) == 0:
+            if tokenizer.eot_id is None:
+                raise DataError(f"HellaSwag example {index} has an empty context and the {tokenizer.kind} "
+                                f"tokenizer has no end-of-text token to start from; drop the example")
+            context = np.array([tokenizer.eot_id], np.int32)
+        rows.extend(np.concatenate([context, ending]) for ending in endings[ENDINGS * index:ENDINGS * (index + 1)])
+    lengths = np.array([len(row) for row in rows], np.int64)
+    return Encoded(ids=np.concatenate(rows).astype(np.int32), starts=np.concatenate([[0], np.cumsum(lengths)]),
+                   ending_lengths=np.array([len(e) for e in endings], np.int64),
+                   labels=np.array([e.label for e in examples], np.int64))
+
+
+def _batch_row_indices(encoded: Encoded, index: int, batch_size: int) -> np.ndarray:
+    """The rows of batch `index`; past the last row, row 0 again (padding, dropped after scoring)."""
+    rows = index * batch_size + np.arange(batch_size)
+    return np.where(rows < encoded.num_rows, rows, 0)
+
+
+def batch_tokens(encoded: Encoded, *, index: int, batch_size: int, seq_len: int,
+                 process_index: int = 0, process_count: int = 1) -> np.ndarray:
+    """This process's rows of batch `index`: int32 [batch_size // process_count, seq_len + 1], each row's last
+    seq_len + 1 tokens from the row's start, zeros after."""
+    rows = _batch_row_indices(encoded, index, batch_size)[batcher.local_rows(batch_size, process_index,
+                                                                               process_count)]
+    batch_BxLp1 = np.zeros((len(rows), seq_len + 1), np.int32)
+    for out, row in enumerate(rows):
+        ids = encoded.ids[encoded.starts[row]:encoded.starts[row + 1]][-(seq_len + 1):]
+        batch_BxLp1[out, :len(ids)] = ids
+    return batch_BxLp1
+
+
+def ending_mask(encoded: Encoded, *, index: int, batch_size: int, seq_len: int) -> np.ndarray:
+    """bool [batch_size, seq_len]: the target positions of batch `index` that are ending tokens (all rows)."""
+    rows = _batch_row_indices(encoded, index, batch_size)
+    kept = np.minimum(np.diff(encoded.starts)[rows], seq_len + 1)  # tokens the row holds
+    ending = np.minimum(encoded.ending_lengths[rows], kept - 1)  # an ending longer than the row: its last tokens
+    # Target t is token t + 1: the ending's tokens are targets kept - 1 - ending ... kept - 2.
+    position_L = np.arange(seq_len)
+    return (position_L >= (kept - 1 - ending)[:, None]) & (position_L < (kept - 1)[:, None])
+
+
+def cut_rows(encoded: Encoded, seq_len: int) -> dict:
+    """How many rows lose tokens to the window: of their context only, or of their ending too."""
+    lengths = np.diff(encoded.starts)
+    cut = lengths > seq_len + 1
+    return {"rows_context_cut": int(np.sum(cut & (encoded.ending_lengths <= seq_len))),
+            "rows_ending_cut": int(np.sum(encoded.ending_lengths > seq_len))}
+
+
+# ---------------------------------------------------------------- scoring
+
+def ending_log_likelihoods(token_loss_step: Callable, params: Any, encoded: Encoded,
+                           config: ml_collections.ConfigDict, batch_sharding: NamedSharding
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """(each ending's summed log-likelihood [N, 4] in float64, its token count [N, 4]).
+
+    `token_loss_step` is `train_step.make_token_loss_step`'s, jitted with replicated output; every process
+    builds its rows of each batch, as validation does, and all get the same figures.
+    """
+    batch_size, seq_len = int(config.batch_size), int(config.seq_len)
+    sums, counts = np.zeros(encoded.num_rows), np.zeros(encoded.num_rows, np.int64)
+
+    def collect(index: int, losses_BxL: jax.Array) -> None:
+        mask_BxL = ending_mask(encoded, index=index, batch_size=batch_size, seq_len=seq_len)
+        first, last = index * batch_size, min(encoded.num_rows, (index + 1) * batch_size)
+        losses_BxL = np.asarray(jax.device_get(losses_BxL), np.float64)
+        sums[first:last] = -np.where(mask_BxL, losses_BxL, 0.0).sum(axis=1)[:last - first]
+        counts[first:last] = mask_BxL.sum(axis=1)[:last - first]
+
+    in_flight = None  # one batch on the device while the host reads the one before
+    for index in range(-(-encoded.num_rows // batch_size)):
+        local = batch_tokens(encoded, index=index, batch_size=batch_size, seq_len=seq_len,
+                             process_index=jax.process_index(), process_count=jax.process_count())
+        losses_BxL = token_loss_step(params, batcher.to_global(local, batch_sharding))
+        if in_flight is not None:
+            collect(*in_flight)
+        in_flight = (index, losses_BxL)
+    collect(*in_flight)
+    return sums.reshape(-1, ENDINGS), counts.reshape(-1, ENDINGS)
+
+
+def standard_error(accuracy: float, n: int) -> float:
+    return math.sqrt(accuracy * (1.0 - accuracy) / n)
+
+
+def accuracies(log_likelihood_NxE: np.ndarray, tokens_NxE: np.ndarray, labels_N: np.ndarray) -> dict:
+    """acc (by total log-likelihood) and acc_norm (by mean per token), with standard errors; ties: the first."""
+    n = len(labels_N)
+    acc = float(np.mean(np.argmax(log_likelihood_NxE, axis=1) == labels_N))
+    acc_norm = float(np.mean(np.argmax(log_likelihood_NxE / tokens_NxE, axis=1) == labels_N))
+    return {"acc": acc, "acc_stderr": standard_error(acc, n),
+            "acc_norm": acc_norm, "acc_norm_stderr": standard_error(acc_norm, n), "examples": n}
+
+
+def make_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Callable:
+    """The jitted per-token loss of a [B, L+1] batch, replicated to every process (under the run's mesh)."""
+    return jax.jit(train_step.make_token_loss_step(config), out_shardings=sharding.replicated(mesh))
+
+
+def score(token_loss_step: Callable, params: Any, encoded: Encoded, config: ml_collections.ConfigDict,
+          batch_sharding: NamedSharding) -> dict:
+    """acc, acc_norm and their standard errors over the encoded examples (the loop's and eval.py's)."""
+    log_likelihood_NxE, tokens_NxE = ending_log_likelihoods(token_loss_step, params, encoded, config,
+                                                            batch_sharding)
+    return {**accuracies(log_likelihood_NxE, tokens_NxE, encoded.labels),
+            "source_examples": encoded.source_examples or len(encoded.labels),
+            **cut_rows(encoded, int(config.seq_len))}
+
+
+def score_on_mesh(params: Any, encoded: Encoded, config: ml_collections.ConfigDict, mesh: Mesh) -> dict:
+    """`score` with a step compiled here, for params placed on `mesh` (eval.py, tests)."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.rules(config)):
+        return score(make_step(config, mesh), params, encoded, config, sharding.batch_sharding(mesh))
+
+
+def metrics_of(result: dict) -> dict:
+    """The figures training logs (metrics.jsonl, TensorBoard), under hellaswag/."""
+    return {f"hellaswag/{key}": result[key] for key in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
