@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from andrea_jax import atomic, checkpoint, model, sampling, sharding, train_step
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import ConfigError, validate
-from andrea_jax.data import batcher, pipeline, sources, token_cache
+from andrea_jax.data import batcher, pipeline, token_cache
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.token_cache import TokenSplit
 from andrea_jax.data.tokenizer import Tokenizer
@@ -112,7 +112,7 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = 
 
 def validation_split(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> TokenSplit:
     """The validation tokens of `config.data`, from the token cache (built if missing)."""
-    splits = sources.open_source(config.data)
+    splits = pipeline.open_splits(config)
     directory = token_cache.cache_directory(pipeline.cache_dir_of(config.data), splits.identity, tokenizer.sha256)
     return token_cache.load_or_build(splits.val, tokenizer, directory, "val", splits.identity)
 
