@@ -68,7 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
     d.tokenizer_train_bytes = 64_000_000  # bound on the BPE training sample
     # hf: sources are streamed: training tokens to take (0 = 1.1 × steps × batch_size × (seq_len + 1)),
     # and the documents held out for validation (of val_split if the dataset has it, else the
-    # stream's first, which training skips); 4000 FineWeb-Edu documents are some 4M tokens.
+    # stream's first, which training skips).
     d.stream_tokens = 0
     d.stream_val_documents = 4000
     d.cache_dir = ""  # token caches; "" = ~/.cache/andrea_jax
