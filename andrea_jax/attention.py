@@ -1,11 +1,16 @@
-"""Which attention implementation a run uses, and the Pallas flash-attention kernel for TPUs.
+"""Which attention implementation a run uses, and the fused kernels for GPUs and TPUs.
 
 `model.attention`:
-  xla          the einsum path in model.py: float32 scores [B, H, L, L] in memory, softmax, product.
-  dot_product  jax.nn.dot_product_attention: cuDNN's flash attention on NVIDIA GPUs, XLA's einsum elsewhere.
-  flash        JAX's Pallas TPU flash-attention kernel: the scores live in on-chip memory one block at
-               a time and never reach HBM; blocks above the causal diagonal are skipped. TPUs only.
-  auto         flash on a TPU (where the head width suits the kernel), dot_product elsewhere.
+  xla     the einsum path in model.py: float32 scores [B, H, L, L] in memory, softmax, product
+          (on a CPU in blocks of queries, so that the blocks above the causal diagonal are skipped).
+  cudnn   cuDNN's fused (flash) attention through `jax.nn.dot_product_attention`: the scores stay in
+          on-chip memory. NVIDIA GPUs of compute capability 8.0 and up (A100, L4, H100, ...).
+  splash  JAX's Pallas splash-attention kernel for TPUs: the scores stay in on-chip memory one
+          block at a time, blocks above the causal diagonal are skipped, the backward is one fused
+          kernel, and its softmax statistics are kept at 8 sublanes rather than broadcast to 128
+          lanes (JAX's older flash kernel moved more bytes for them than the rest of attention).
+  auto    splash on a TPU (where the head width suits the kernel), cudnn on an NVIDIA GPU of
+          compute capability 8.0 and up, xla elsewhere (a T4 has no cuDNN flash attention).
 Decoding with the KV cache, and dropout while training, take the einsum path in every case.
 """
 
@@ -19,76 +24,109 @@ import jax.numpy as jnp
 import ml_collections
 
 from andrea_jax import sharding
-from andrea_jax.config import ConfigError, flash_takes_head_dim
+from andrea_jax.config import ConfigError, splash_takes_head_dim
 
-LANES = 128  # the kernel's blocks of keys are multiples of the vector registers' lanes
-# Query and key block of the kernel. With heads of 64 a block's products are small, so large
+LANES = 128  # the TPU kernel's blocks are multiples of the vector registers' lanes
+# Query and key block of the TPU kernel. With heads of 64 a block's products are small, so large
 # blocks amortise the fixed cost of each grid step; at context 1024 a block of 512 computes 3 of
 # the 4 blocks (blocks of 128 would compute 36 of 64, at 16 times the steps); see bench/RESULTS.md.
 BLOCK = 512
+MIN_CUDA_CAPABILITY_FOR_CUDNN = 8.0  # cuDNN's flash attention starts with Ampere
+# Which platform each kernel runs on.
+PLATFORM_OF = {"splash": "tpu", "cudnn": "gpu"}
 
 
 def head_dim(model_config: ml_collections.ConfigDict) -> int:
     return model_config.d_model // model_config.n_head
 
 
+def _has_cudnn_flash(device) -> bool:
+    capability = getattr(device, "compute_capability", None)  # CUDA devices only, compile-only ones too
+    return capability is not None and float(capability) >= MIN_CUDA_CAPABILITY_FOR_CUDNN
+
+
 def resolve_name(name: str, width: int, device=None) -> str:
     """`model.attention` with "auto" replaced by the choice for `device` (default: the first)."""
     if name != "auto":
         return name
-    platform = (device or jax.devices()[0]).platform
-    return "flash" if platform == "tpu" and flash_takes_head_dim(width) else "dot_product"
+    device = device or jax.devices()[0]
+    if device.platform == "tpu" and splash_takes_head_dim(width):
+        return "splash"
+    return "cudnn" if device.platform == "gpu" and _has_cudnn_flash(device) else "xla"
 
 
 def for_device(model_config: ml_collections.ConfigDict, device) -> str:
     """The implementation a run on `device` uses; ConfigError when the one named cannot run there."""
     name = resolve_name(model_config.attention, head_dim(model_config), device)
-    if name == "flash" and device.platform != "tpu":
-        raise ConfigError(f"model.attention='flash' is a TPU kernel and this run's devices are "
-                          f"{device.platform}; use 'auto' (flash on TPUs) or 'dot_product'")
+    platform = PLATFORM_OF.get(name)
+    if platform is not None and device.platform != platform:
+        raise ConfigError(f"model.attention={name!r} runs on {platform.upper()}s and this run's devices are "
+                          f"{device.platform}; use 'auto' (the fastest kernel each chip has) or 'xla'")
+    if name == "cudnn" and not _has_cudnn_flash(device):
+        raise ConfigError(f"model.attention='cudnn' needs compute capability {MIN_CUDA_CAPABILITY_FOR_CUDNN} or "
+                          f"newer and this GPU has {device.compute_capability}; use 'auto' or 'xla'")
     return name
+
+
+def for_saved_run(model_config: ml_collections.ConfigDict, device) -> str:
+    """The implementation a run recorded elsewhere uses on `device`: its own where it runs here, else
+    this machine's choice (the kernel belongs to the training machine, not to the model)."""
+    try:
+        return for_device(model_config, device)
+    except ConfigError:
+        return resolve_name("auto", head_dim(model_config), device)
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _flash_one_shard(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
-                     block: int) -> jax.Array:
-    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # imported only where used
+def _splash_one_shard(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
+                      block: int) -> jax.Array:
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    _, length, _, width = q_BxLxHxK.shape
+    _, length, heads, width = q_BxLxHxK.shape
     # The kernel's blocks are multiples of 128 that divide the length. Padding at the end is exact
     # for causal attention: no real query sees a later key, and the padded rows are dropped.
     block = min(block, _round_up(length, LANES))
     padded = _round_up(length, block)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+    kernel = splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((padded, padded))] * heads),
+                                    block_sizes=sizes, head_shards=1, q_seq_shards=1)
 
     def to_kernel(x_BxLxHxK):
         return jnp.pad(x_BxLxHxK, ((0, 0), (0, padded - length), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
-    blocks = tpu_flash.BlockSizes(
-        block_q=block, block_k_major=block, block_k=block, block_b=1,
-        block_q_major_dkv=block, block_k_major_dkv=block, block_q_dkv=block, block_k_dkv=block,
-        block_q_dq=block, block_k_major_dq=block, block_k_dq=block)
-    out_BxHxPxK = tpu_flash.flash_attention(to_kernel(q_BxLxHxK), to_kernel(k_BxLxHxK), to_kernel(v_BxLxHxK),
-                                            causal=True, sm_scale=1 / math.sqrt(width), block_sizes=blocks)
+    # The kernel takes no scale: 1/√K goes onto q, where XLA folds it into q's projection.
+    q_BxLxHxK = (q_BxLxHxK * (1 / math.sqrt(width))).astype(q_BxLxHxK.dtype)
+    out_BxHxPxK = jax.vmap(kernel)(to_kernel(q_BxLxHxK), to_kernel(k_BxLxHxK), to_kernel(v_BxLxHxK))
     return out_BxHxPxK.transpose(0, 2, 1, 3)[:, :length]
 
 
-def flash_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
-                    block: int = BLOCK) -> jax.Array:
-    """Causal softmax(q·kᵀ / √K)·v through the Pallas TPU kernel, in the inputs' dtype.
+def splash_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
+                     block: int = BLOCK) -> jax.Array:
+    """Causal softmax(q·kᵀ / √K)·v through the Pallas TPU splash kernel, in the inputs' dtype."""
+    return _per_shard(lambda q, k, v: _splash_one_shard(q, k, v, block), q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
 
-    Under a mesh each device runs the kernel on its own rows and heads (batch over the axes
+
+def cudnn_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array) -> jax.Array:
+    """Causal softmax(q·kᵀ / √K)·v through cuDNN's fused attention, in the inputs' dtype."""
+    kernel = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return _per_shard(kernel, q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+
+
+def _per_shard(kernel, q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array) -> jax.Array:
+    """`kernel` run by each device on its own rows and heads under a mesh (batch over the axes
     `act_batch` maps to, heads over those of `act_heads`): XLA cannot partition a kernel call
     and would otherwise gather every input whole onto every device. The sequence stays whole,
     as causal attention needs.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return _flash_one_shard(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, block)
+        return kernel(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
     spec = sharding.fit_spec(nn.logical_to_mesh_axes(("act_batch", None, "act_heads", None)),
                              q_BxLxHxK.shape, mesh)
-    one_shard = lambda q, k, v: _flash_one_shard(q, k, v, block)
-    return jax.shard_map(one_shard, in_specs=(spec, spec, spec), out_specs=spec,
+    return jax.shard_map(kernel, in_specs=(spec, spec, spec), out_specs=spec,
                          check_vma=False)(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)

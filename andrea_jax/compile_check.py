@@ -5,7 +5,8 @@
 XLA's own TPU and GPU compilers run on a host without the chip; the steps are
 lowered with the mesh, shardings and micro-batch choice a run on that
 accelerator would use (`fit.py`), and the report says what one device holds,
-the FLOPs XLA counts and, for TPUs, XLA's roofline time for the step. A step that
+the step's FLOPs, the device-memory bytes it moves by part of the model, and the
+roofline bound on MFU they give. A step that
 does not fit exits with status 2 and one line naming the fix.
 """
 
@@ -20,7 +21,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from andrea_jax import attention, cli, fit, flops, precision, sharding, targets
+from andrea_jax import cli, fit, flops, hbm_traffic, resolve, sharding, targets
 from andrea_jax.config import ConfigError, validate
 
 GIB = 2 ** 30
@@ -37,9 +38,7 @@ def compiled_for(config: ml_collections.ConfigDict, target: targets.Target, repo
     if config.model.vocab_size == 0:
         raise ConfigError("model.vocab_size=0 is taken from the tokenizer when a run prepares its data; pass "
                           "--config.model.vocab_size with the tokenizer's size (8449 for the ANDREA BPE)")
-    config = ml_collections.ConfigDict(config.to_dict())
-    config.model.dtype = precision.resolve_dtype_name(config.model.dtype, target.devices[0])
-    config.model.attention = attention.for_device(config.model, target.devices[0])
+    config = resolve.for_devices(config, target.devices[0])
     mesh = sharding.make_mesh(config, target.devices)
     axis_rules = sharding.rules(config)
     rng = jax.random.key(config.seed)  # made on this host: the target's devices cannot run it
@@ -70,51 +69,45 @@ def describe(steps: fit.Steps, target: targets.Target) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    model_flops: float  # a step, nanoGPT/PaLM convention
-    xla_flops: float | None  # a step, all devices; None where XLA gives no cost analysis (GPUs)
-    xla_bytes: float | None  # HBM bytes a step moves on one device, by XLA's count
-    roofline_seconds: float | None  # max(FLOPs / peak, bytes / bandwidth) of one device, from XLA's counts
+    model_flops: float  # a step, all devices, nanoGPT/PaLM convention
+    xla_flops: float | None  # a step, all devices, by XLA's count; None where XLA gives none (GPUs)
+    hbm_bytes: dict[str, float]  # device-memory bytes a step moves on one device, by part (`hbm_traffic`)
+    roofline_seconds: float | None  # max(model FLOPs / peak, bytes / bandwidth) of one device
     mfu_bound: float | None  # model_flops / (roofline_seconds × devices × the chip's peak)
 
 
 def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
-    """FLOPs a step by XLA's count and by the model's formula, and the roofline bound on MFU.
+    """FLOPs a step by the model's formula (and XLA's count), its memory traffic, and the roofline bound on MFU.
 
-    The roofline is built from XLA's own FLOP and HBM byte counts of the compiled step and
-    the chip's peak rates. (XLA's `optimal_seconds` is not used: on TPUs it counts each
-    custom call, such as a gather's index packing, as -1 s.) XLA counts a loop's body once,
-    so with micro-batches the counts are those of a step of one micro-batch (compiled for
-    this report only), times the number of micro-batches: the optimizer update is counted
-    that many times, so the bound errs low.
+    The traffic is counted from the optimized HLO (`hbm_traffic.py`) on every target: XLA gives no
+    cost analysis for GPUs, and on TPUs its "bytes accessed" counts a loop body once and charges
+    operands already in on-chip memory. The compute side is the model's FLOPs, which MFU is
+    measured in: XLA's counts leave out custom kernels (the attention kernels).
     """
-    config, micro, devices = steps.config, steps.config.microbatches, len(target.devices)
+    config, devices = steps.config, len(target.devices)
     model_flops = flops.flops_per_token(config.model, config.seq_len) * config.batch_size * config.seq_len
-    cost = steps.train.cost_analysis()
-    if not cost or "flops" not in cost:
-        return StepCost(model_flops, None, None, None, None)
-    if micro > 1:
-        one = ml_collections.ConfigDict(config.to_dict())
-        one.batch_size, one.microbatches = config.batch_size // micro, 1
-        cost = compiled_for(one, target).train.cost_analysis()
-    xla_flops, xla_bytes = cost["flops"] * devices * micro, cost["bytes accessed"] * micro
+    cost = steps.train.cost_analysis() or {}
+    xla_flops = cost["flops"] * devices * config.microbatches if "flops" in cost else None
+    traffic = hbm_traffic.count(steps.train.as_text())
     peak = flops.device_peak_flops(target.devices[0], config.model.dtype)
     if not peak or not target.memory_bytes_per_second:
-        return StepCost(model_flops, xla_flops, xla_bytes, None, None)
-    seconds = micro * max(cost["flops"] / peak, cost["bytes accessed"] / target.memory_bytes_per_second)
-    return StepCost(model_flops, xla_flops, xla_bytes, seconds, model_flops / (seconds * devices * peak))
+        return StepCost(model_flops, xla_flops, traffic, None, None)
+    seconds = max(model_flops / devices / peak, sum(traffic.values()) / target.memory_bytes_per_second)
+    return StepCost(model_flops, xla_flops, traffic, seconds, model_flops / (seconds * devices * peak))
 
 
 def cost_text(cost: StepCost, tokens: int) -> str:
-    if cost.xla_flops is None:
-        return (f"FLOPs: {cost.model_flops / 1e12:.2f} T a step by the model's formula; XLA gives no cost "
-                f"analysis for this platform")
-    text = (f"FLOPs a step: XLA counts {cost.xla_flops / 1e12:.2f} T ({cost.xla_flops / tokens / 1e6:.0f} M a "
-            f"token), the model's formula {cost.model_flops / 1e12:.2f} T "
-            f"({cost.model_flops / tokens / 1e6:.1f} M a token, nanoGPT/PaLM convention); HBM traffic "
-            f"{cost.xla_bytes / 1e9:.1f} GB a step on one device")
+    total = sum(cost.hbm_bytes.values())
+    text = (f"FLOPs a step: the model's formula {cost.model_flops / 1e12:.2f} T ({cost.model_flops / tokens / 1e6:.1f} "
+            f"M a token, nanoGPT/PaLM convention)")
+    if cost.xla_flops is not None:
+        text += f"; XLA counts {cost.xla_flops / 1e12:.2f} T without the custom kernels"
+    text += (f"\nHBM traffic a step on one device, counted from the optimized HLO: {total / 1e9:.1f} GB\n"
+             + "\n".join(f"  {part:<28} {size / 1e9:7.1f} GB  {100 * size / total:3.0f}%"
+                         for part, size in cost.hbm_bytes.items()))
     if cost.mfu_bound is not None:
-        text += (f"\nroofline from XLA's FLOP and byte counts: {cost.roofline_seconds * 1e3:.0f} ms a step, so MFU "
-                 f"can be at most {100 * cost.mfu_bound:.0f}% (a bound from the compiler's counts, not a "
+        text += (f"\nroofline from the model's FLOPs and the HLO's bytes: {cost.roofline_seconds * 1e3:.0f} ms a step, "
+                 f"so MFU can be at most {100 * cost.mfu_bound:.0f}% (a bound from the compiler's program, not a "
                  f"measurement)")
     return text
 

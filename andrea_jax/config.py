@@ -31,8 +31,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_batches = 20  # validation batches per periodic evaluation
     c.checkpoint_every = 1000
     c.keep_checkpoints = 3
-    # Peak FLOP/s used for MFU when the device is not in the known table
-    # (0 = measure the matmul rate of this device in the compute dtype at start-up).
+    # Peak FLOP/s of one device for MFU when it is not in the known table
+    # (0 = the table's peak; CPUs have none in it, so no MFU is recorded for them).
     c.peak_flops = 0.0
     # Per-block gradient norms, sub-layer delta ratios and stream norms among the
     # train step's metrics (keys "diag/..."); a few reductions a step.
@@ -49,7 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
     m.dtype = "float32"  # compute dtype: float32 | bfloat16 | float16 | auto; parameters are always float32
     m.dropout = 0.0
     m.layer_norm_epsilon = 1e-5
-    m.attention = "xla"  # "xla" (einsum), "dot_product" (jax.nn.dot_product_attention), "flash" (TPU) or "auto"
+    m.attention = "xla"  # "xla" (einsum), "cudnn" (NVIDIA GPUs), "splash" (TPUs) or "auto" (attention.py)
     m.remat = False  # recompute each block in the backward pass
     m.scan_layers = False  # one compiled block scanned over depth
     # Ablations; the defaults are the ANDREA model (see model.py for the equations).
@@ -59,7 +59,8 @@ def base_config() -> ml_collections.ConfigDict:
     m.mlp_ratio = 0.0  # 0 = the MLP width is mlp_dim; else mlp_ratio × d_model (mlp_dim is then unused)
 
     c.data = d = ml_collections.ConfigDict()
-    d.source = "stdlib"  # "tfds:NAME[/CONFIG]", "hf:OWNER/NAME[/CONFIG]", "text:PATH_OR_GLOB" or "stdlib"
+    # "tfds:NAME[/CONFIG]", "hf:OWNER/NAME[/CONFIG]", "text:PATH_OR_GLOB", "url:URL" (one text file) or "stdlib"
+    d.source = "stdlib"
     d.tokenizer = "bpe"  # "bpe", "byte", "char" or a path to a tokenizer.json
     d.text_field = "text"  # TFDS feature or Hugging Face column holding the document text
     d.train_split = "train"
@@ -71,7 +72,7 @@ def base_config() -> ml_collections.ConfigDict:
     # stream's first, which training skips).
     d.stream_tokens = 0
     d.stream_val_documents = 4000
-    d.cache_dir = ""  # token caches; "" = ~/.cache/andrea_jax
+    d.cache_dir = ""  # token caches and url: downloads; "" = ~/.cache/andrea_jax
     d.tfds_data_dir = ""  # "" = the TFDS default (~/tensorflow_datasets)
 
     c.optimizer = o = ml_collections.ConfigDict()
@@ -118,8 +119,11 @@ def padded_vocab_size(model_config: ml_collections.ConfigDict) -> int:
     return -(-int(model_config.vocab_size) // multiple) * multiple
 
 
-def flash_takes_head_dim(width: int) -> bool:
-    """Whether the TPU flash kernel (`attention.py`) takes heads this wide: it keeps a head's
+ATTENTION_CHOICES = ("auto", "xla", "cudnn", "splash")
+
+
+def splash_takes_head_dim(width: int) -> bool:
+    """Whether the TPU splash kernel (`attention.py`) takes heads this wide: it keeps a head's
     vector whole in the 128 lanes of a vector register, so up to 128 or a multiple of 128."""
     return width <= 128 or width % 128 == 0
 
@@ -140,10 +144,10 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.vocab_pad_multiple={m.vocab_pad_multiple} must be at least 1 (1 = no padding)")
     if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"model.dtype={m.dtype!r} is not one of auto, float32, bfloat16, float16")
-    if m.attention not in ("auto", "xla", "dot_product", "flash"):
-        raise ConfigError(f"model.attention={m.attention!r} is not one of 'auto', 'xla', 'dot_product', 'flash'")
-    if m.attention == "flash" and not flash_takes_head_dim(m.d_model // m.n_head):
-        raise ConfigError(f"model.attention='flash' takes heads up to 128 wide or a multiple of 128, not "
+    if m.attention not in ATTENTION_CHOICES:
+        raise ConfigError(f"model.attention={m.attention!r} is not one of {', '.join(map(repr, ATTENTION_CHOICES))}")
+    if m.attention == "splash" and not splash_takes_head_dim(m.d_model // m.n_head):
+        raise ConfigError(f"model.attention='splash' takes heads up to 128 wide or a multiple of 128, not "
                           f"{m.d_model // m.n_head} (d_model / n_head); change n_head or use 'auto'")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")

@@ -21,10 +21,10 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from andrea_jax import atomic, checkpoint, model, sampling, sharding, train_step
+from andrea_jax import atomic, checkpoint, model, resolve, sampling, sharding, train_step
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import ConfigError, validate
-from andrea_jax.data import batcher, pipeline, token_cache
+from andrea_jax.data import batcher, pipeline, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.token_cache import TokenSplit
 from andrea_jax.data.tokenizer import Tokenizer
@@ -53,9 +53,6 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     if saved is None:
         raise EvalError(f"{workdir} holds no {run_dir.CONFIG_FILE}; pass the directory train.py wrote, "
                         f"or --config with the run's config file")
-    if saved.model.attention == "flash" and jax.devices()[0].platform != "tpu":
-        # The kernel is the training machine's choice, not part of the model: pick this machine's.
-        saved.model.attention = "auto"
     return saved
 
 
@@ -98,6 +95,7 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = 
             raise EvalError(f"no checkpoint in {directory} yet; train first (python train.py --workdir "
                             f"{workdir} ...), a checkpoint is written every checkpoint_every steps and at the end")
         mesh, config = _mesh_for(config)
+        config = resolve.for_devices(config, mesh.devices.flat[0], evaluating=True)
         axis_rules = sharding.rules(config)
         with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
             boxed = jax.eval_shape(partial(model.init_params, config.model), jax.random.key(0))
@@ -113,7 +111,7 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = 
 def validation_split(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> TokenSplit:
     """The validation tokens of `config.data`, from the token cache (built if missing)."""
     splits = pipeline.open_splits(config)
-    directory = token_cache.cache_directory(pipeline.cache_dir_of(config.data), splits.identity, tokenizer.sha256)
+    directory = token_cache.cache_directory(sources.cache_dir_of(config.data), splits.identity, tokenizer.sha256)
     return token_cache.load_or_build(splits.val, tokenizer, directory, "val", splits.identity)
 
 

@@ -85,6 +85,13 @@ def microbatch_choices(config: ml_collections.ConfigDict, mesh: Mesh) -> list[in
             if config.batch_size % m == 0 and (config.batch_size // m) % data_parallel == 0]
 
 
+def compiler_options(mesh: Mesh) -> dict[str, bool]:
+    """XLA options for the steps. On GPUs, no excess precision: XLA's GPU compiler otherwise drops
+    the program's roundings to the compute dtype and keeps float32 copies of activations between
+    the forward and the backward (bytes measured through the compile check, bench/RESULTS.md)."""
+    return {"xla_allow_excess_precision": False} if mesh.devices.flat[0].platform == "gpu" else {}
+
+
 def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state: Any,
                   state_shardings: Any, usable: int | None = None) -> Steps:
     """Lowers and compiles both steps as the loop calls them.
@@ -100,14 +107,15 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state:
         train = jax.jit(train_step.make_train_step(config, tx, schedule),
                         in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
                         out_shardings=(state_shardings, sharding.replicated(mesh)),
-                        donate_argnums=0).lower(abstract_state, batch).compile()
+                        donate_argnums=0).lower(abstract_state, batch).compile(compiler_options(mesh))
         train_memory = Memory.of(train)
         if usable is not None and train_memory.peak > usable:
             raise OutOfMemory(f"the train step needs {train_memory.peak / GIB:.2f} GiB a device > "
                               f"{usable / GIB:.2f} GiB usable")
         evaluate = jax.jit(train_step.make_eval_step(config),
                            in_shardings=(state_shardings["params"], sharding.batch_sharding(mesh)),
-                           out_shardings=sharding.replicated(mesh)).lower(abstract_state["params"], batch).compile()
+                           out_shardings=sharding.replicated(mesh)).lower(abstract_state["params"], batch).compile(
+                               compiler_options(mesh))
     except Exception as error:  # the runtime's error type differs between jax versions
         if "RESOURCE_EXHAUSTED" in str(error):
             raise OutOfMemory(f"XLA refused it ({str(error).splitlines()[0]})") from error

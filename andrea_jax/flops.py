@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from andrea_jax.config import padded_vocab_size
 from andrea_jax.model import mlp_hidden_dim
-from andrea_jax.precision import compute_dtype, resolve_dtype_name
+from andrea_jax.precision import resolve_dtype_name
 
 # Dense bf16 peak per JAX device (a TPU v2/v3 device is one core: half a chip).
 # Substrings of `device.device_kind`, most specific first.
@@ -75,22 +72,13 @@ def device_peak_flops(device: jax.Device, dtype: str = "bfloat16") -> float | No
     return None
 
 
-def measure_matmul_flops(dtype: str, size: int = 1024, repeats: int = 5) -> float:
-    """A measured ceiling: the best rate of a square matmul in `dtype` with float32 accumulation."""
-    jdtype = compute_dtype(dtype)
-    a = jnp.ones((size, size), jdtype)
-    matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
-    matmul(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
+def peak_flops(config: ml_collections.ConfigDict) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device, where the figure comes from), or (None, why there is none).
 
-
-def peak_flops(config: ml_collections.ConfigDict) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the figure comes from)."""
+    A CPU has no table entry: its peak depends on its vector units, clocks and what else runs
+    on it, and a matmul rate measured at start-up on a busy machine read as a peak gives MFUs
+    above 100%. There is no MFU then, unless config.peak_flops gives the figure.
+    """
     if config.peak_flops > 0:
         return float(config.peak_flops), "config.peak_flops"
     device = jax.devices()[0]
@@ -98,4 +86,5 @@ def peak_flops(config: ml_collections.ConfigDict) -> tuple[float, str]:
     peak = device_peak_flops(device, dtype)
     if peak is not None:
         return peak, f"{device.device_kind} {dtype} peak"
-    return measure_matmul_flops(dtype), f"measured {dtype} matmul rate"
+    return None, (f"no known {dtype} peak for {device.device_kind!r}; "
+                  f"--config.peak_flops=FLOP/s of one device gives one")

@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from andrea_jax import interop
+from andrea_jax import atomic, interop
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import base_config, validate
 from andrea_jax.data import tokenizer as tokenizers
@@ -101,16 +101,17 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
 
 def write_hf(out: str, params: Mapping, model_config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> None:
     """Writes a GPT2LMHeadModel directory into `out` (which must exist)."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     state_dict = interop.to_gpt2(params, model_config)
     mlp_width = state_dict[interop.PREFIX + "h.0.mlp.c_fc.weight"].shape[1]
     # Tied: transformers ties lm_head to wte on load, as its own save_pretrained files expect.
     del state_dict["lm_head.weight"]
-    save_file(state_dict, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt"})
     # A char tokenizer from nanoGPT has no end-of-text: then there are no special tokens at all.
     special = {} if tokenizer.eot_id is None else {k: END_OF_TEXT for k in ("bos_token", "eos_token", "unk_token")}
     files = {
+        # As bytes, written like the other files: safetensors' save_file creates its file 0600.
+        WEIGHTS_FILE: save(state_dict, metadata={"format": "pt"}),
         HF_CONFIG_FILE: json.dumps(hf_config(model_config, tokenizer.eot_id, mlp_width), indent=2),
         HF_TOKENIZER_FILE: hf_tokenizer_json(tokenizer),
         "tokenizer_config.json": json.dumps({
@@ -120,9 +121,8 @@ def write_hf(out: str, params: Mapping, model_config: ml_collections.ConfigDict,
     }
     if tokenizer.kind != "bpe":
         files[ANDREA_TOKENIZER_FILE] = tokenizer.to_json()
-    for name, text in files.items():
-        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
-            f.write(text)
+    for name, content in files.items():
+        atomic.write(os.path.join(out, name), content)
 
 
 def export(workdir: str, out: str, step: int | None = None, overwrite: bool = False) -> str:

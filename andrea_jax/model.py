@@ -53,13 +53,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from andrea_jax import attention
+from andrea_jax import attention, sharding
 from andrea_jax.config import padded_vocab_size
 from andrea_jax.precision import compute_dtype, matmul
 
 INIT_STD = 0.02  # GPT-2's normal init for weights and embeddings
-# On a CPU the einsum attention runs in blocks of this many queries (see Attention).
-CPU_QUERY_BLOCK = 128
+# On CPUs and GPUs the einsum attention runs in blocks of this many queries (see Attention).
+QUERY_BLOCK = 128
 ACTIVATIONS = {
     "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
     "gelu_exact": lambda h: jax.nn.gelu(h, approximate=False),
@@ -120,6 +120,13 @@ def _ones(axes: tuple[str | None, ...]):
     return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
 
 
+def activate(function, *inputs: jax.Array) -> jax.Array:
+    """function(*inputs) computed in float32 and returned in the inputs' dtype, recomputed in the
+    backward: the backward keeps only the inputs (autodiff would keep their float32 copies)."""
+    as_float32 = lambda *xs: function(*(x.astype(jnp.float32) for x in xs)).astype(inputs[0].dtype)
+    return jax.checkpoint(as_float32)(*inputs)
+
+
 class LayerNorm(nn.Module):
     """gamma * (x - mean) / sqrt(var + eps) + beta, statistics in float32."""
     epsilon: float
@@ -135,29 +142,6 @@ class LayerNorm(nn.Module):
         var = jnp.square(x - mean).mean(-1, keepdims=True)
         y = (x - mean) * jax.lax.rsqrt(var + self.epsilon) * scale + bias
         return y.astype(self.dtype)
-
-
-@jax.custom_vjp
-def split_qkv(qkv_BxLx3xHxK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], whose backward stacks the three cotangents.
-
-    Autodiff of the three slices pads each cotangent to the full shape and adds
-    the pads; XLA:CPU fused that, with the transposes from attention's products,
-    into one slow loop. A stack writes each element once (measured in
-    bench/RESULTS.md). Reverse mode only.
-    """
-    return qkv_BxLx3xHxK[:, :, 0], qkv_BxLx3xHxK[:, :, 1], qkv_BxLx3xHxK[:, :, 2]
-
-
-def _split_qkv_fwd(qkv_BxLx3xHxK):
-    return split_qkv(qkv_BxLx3xHxK), None
-
-
-def _split_qkv_bwd(_, cotangents):
-    return (jnp.stack(cotangents, axis=2),)
-
-
-split_qkv.defvjp(_split_qkv_fwd, _split_qkv_bwd)
 
 
 def _attention_probs(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, causal_LxS: jax.Array) -> jax.Array:
@@ -240,10 +224,15 @@ class Attention(nn.Module):
                                 (self.n_head, head_dim, d_model), jnp.float32)
         out_bias = self.param("out_bias", _zeros(("embed",)), (d_model,), jnp.float32)
 
-        qkv_BxLx3xHxK = matmul(x_BxLxD, qkv_kernel, "bld,dthk->blthk", self.dtype) + qkv_bias
-        qkv_BxLx3xHxK = nn.with_logical_constraint(
-            qkv_BxLx3xHxK.astype(self.dtype), ("act_batch", "act_len", None, "act_heads", None))
-        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = split_qkv(qkv_BxLx3xHxK)
+        # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
+        # and v is written once, where attention reads it (the slices were copies, and their
+        # cotangents were stacked back; bench/RESULTS.md).
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
+            nn.with_logical_constraint(
+                (matmul(x_BxLxD, qkv_kernel[:, i], "bld,dhk->blhk", self.dtype, self.dtype)
+                 + qkv_bias[i]).astype(self.dtype),
+                ("act_batch", "act_len", "act_heads", None))
+            for i in range(3))
 
         if cache_index is None:
             # S = L: the keys are this sequence's own.
@@ -265,27 +254,27 @@ class Attention(nn.Module):
 
         implementation = attention.resolve_name(self.implementation, head_dim)
         fused = cache_index is None and (deterministic or self.dropout == 0.0)
-        if fused and implementation == "flash":
-            out_BxLxHxK = attention.flash_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)
-        elif fused and implementation == "dot_product":
-            # Reaches cuDNN flash attention on GPU; plain XLA elsewhere.
-            out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True)
+        if fused and implementation == "splash":
+            out_BxLxHxK = attention.splash_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)
+        elif fused and implementation == "cudnn":
+            out_BxLxHxK = attention.cudnn_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)
         else:
             drop = (None if deterministic or self.dropout == 0.0 else
                     lambda probs: nn.Dropout(self.dropout)(probs, deterministic=False))
-            if cache_index is None and jax.default_backend() == "cpu" and length > CPU_QUERY_BLOCK:
+            if cache_index is None and sharding.program_platform() in ("cpu", "gpu") and length > QUERY_BLOCK:
                 # Query block i attends keys [0, end of block i) only: the blocks above the causal
                 # diagonal are never computed (a quarter of the square at 2 blocks), and each row
-                # still gets one exact softmax over all its keys. Measured on a CPU (bench/RESULTS.md).
+                # still gets one exact softmax over all its keys. Measured on a CPU step and in a
+                # T4's compiled step (bench/RESULTS.md); TPUs run the splash kernel instead.
                 out_BxLxHxK = jnp.concatenate([
                     softmax_attention(q_BxLxHxK[:, start:stop], k_BxSxHxK[:, :stop], v_BxSxHxK[:, :stop],
                                       causal_LxS[start:stop, :stop], self.dtype, drop)
-                    for start in range(0, length, CPU_QUERY_BLOCK)
-                    for stop in [min(start + CPU_QUERY_BLOCK, length)]], axis=1)
+                    for start in range(0, length, QUERY_BLOCK)
+                    for stop in [min(start + QUERY_BLOCK, length)]], axis=1)
             else:
                 out_BxLxHxK = softmax_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, self.dtype, drop)
 
-        out_BxLxD = matmul(out_BxLxHxK, out_kernel, "blhk,hkd->bld", self.dtype) + out_bias
+        out_BxLxD = matmul(out_BxLxHxK, out_kernel, "blhk,hkd->bld", self.dtype, self.dtype) + out_bias
         out_BxLxD = nn.Dropout(self.dropout)(out_BxLxD, deterministic=deterministic)
         return nn.with_logical_constraint(out_BxLxD.astype(self.dtype), ("act_batch", "act_len", "act_embed"))
 
@@ -308,18 +297,22 @@ class MLP(nn.Module):
                                  (self.mlp_dim, d_model), jnp.float32)
         proj_bias = self.param("proj_bias", _zeros(("embed",)), (d_model,), jnp.float32)
 
-        h_BxLxF = matmul(x_BxLxD, fc_kernel, "bld,df->blf", self.dtype) + fc_bias
+        # Pre-activations are rounded to the compute dtype and the activation, computed in float32,
+        # is recomputed in the backward (`activate`): autodiff would keep the float32 pre-activation,
+        # the widest activation of the block, for the backward.
+        up_BxLxF = (matmul(x_BxLxD, fc_kernel, "bld,df->blf", self.dtype, self.dtype) + fc_bias).astype(self.dtype)
         if self.activation == "swiglu":
             # Created after the four above, so those draw the same initial values as without it.
             gate_kernel = self.param("gate_kernel", _normal(INIT_STD, ("embed", "mlp")),
                                      (d_model, self.mlp_dim), jnp.float32)
             gate_bias = self.param("gate_bias", _zeros(("mlp",)), (self.mlp_dim,), jnp.float32)
-            gate_BxLxF = matmul(x_BxLxD, gate_kernel, "bld,df->blf", self.dtype) + gate_bias
-            h_BxLxF = (jax.nn.silu(gate_BxLxF) * h_BxLxF).astype(self.dtype)
+            gate_BxLxF = (matmul(x_BxLxD, gate_kernel, "bld,df->blf", self.dtype, self.dtype)
+                          + gate_bias).astype(self.dtype)
+            h_BxLxF = activate(lambda up, gate: jax.nn.silu(gate) * up, up_BxLxF, gate_BxLxF)
         else:
-            h_BxLxF = ACTIVATIONS[self.activation](h_BxLxF).astype(self.dtype)
+            h_BxLxF = activate(ACTIVATIONS[self.activation], up_BxLxF)
         h_BxLxF = nn.with_logical_constraint(h_BxLxF, ("act_batch", "act_len", "act_mlp"))
-        out_BxLxD = matmul(h_BxLxF, proj_kernel, "blf,fd->bld", self.dtype) + proj_bias
+        out_BxLxD = matmul(h_BxLxF, proj_kernel, "blf,fd->bld", self.dtype, self.dtype) + proj_bias
         out_BxLxD = nn.Dropout(self.dropout)(out_BxLxD, deterministic=deterministic)
         return nn.with_logical_constraint(out_BxLxD.astype(self.dtype), ("act_batch", "act_len", "act_embed"))
 

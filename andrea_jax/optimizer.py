@@ -1,10 +1,16 @@
-"""AdamW with linear warmup, cosine/linear decay to a floor, and global-norm clipping."""
+"""AdamW with linear warmup, cosine/linear decay to a floor, and global-norm clipping.
+
+The train step passes each update its learning rate, the schedule at the state's
+step: a float16 step skipped on overflow still moves the schedule on (PyTorch's
+GradScaler with a scheduler does the same), and the rate logged is the rate applied.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -47,11 +53,33 @@ def weight_decay_mask(params: Any, decay_embedding: bool) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def scale_by_passed_learning_rate() -> optax.GradientTransformationExtraArgs:
+    """Multiplies the updates by -learning_rate, passed to `update` as a keyword.
+
+    optax's schedules read their own count of updates made, which a skipped step does not
+    advance, so they would fall behind the train state's step. The state is still optax's
+    ScaleByScheduleState (counting updates made): checkpoints keep `optax.adamw`'s layout.
+    """
+    def init(params: Any) -> optax.ScaleByScheduleState:
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates: Any, state: optax.ScaleByScheduleState, params: Any = None, *,
+               learning_rate: jax.Array) -> tuple[Any, optax.ScaleByScheduleState]:
+        del params
+        updates = jax.tree.map(lambda u: jnp.array(-learning_rate, u.dtype) * u, updates)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def make(config: ml_collections.ConfigDict) -> optax.GradientTransformationExtraArgs:
+    """Clipping, then AdamW; `update(grads, opt_state, params, learning_rate=...)` takes the rate."""
     o = config.optimizer
     return optax.chain(
         optax.clip_by_global_norm(o.grad_clip_norm),
-        optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
-                    weight_decay=o.weight_decay,
-                    mask=lambda params: weight_decay_mask(params, o.decay_embedding)),
+        optax.chain(  # optax.adamw's three stages, the last one taking the rate it is given
+            optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps),
+            optax.add_decayed_weights(o.weight_decay, mask=lambda params: weight_decay_mask(params, o.decay_embedding)),
+            scale_by_passed_learning_rate()),
     )

@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from andrea_jax import sharding
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 MIN_CUDA_CAPABILITY_FOR_BF16 = 8.0  # Ampere: the first NVIDIA tensor cores with bf16
@@ -63,13 +65,21 @@ def compute_dtype(name: str):
     return DTYPES[resolve_dtype_name(name)]
 
 
-def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+def _product(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+    """einsum accumulated in float32, its result in `out_dtype`.
+
+    On a CPU the result is float32 and then rounded: XLA:CPU's fast bfloat16 products have
+    float32 results (bench/RESULTS.md). A GPU or TPU rounds in the product's own epilogue,
+    which saves writing and reading back a float32 copy of every activation.
+    """
+    if out_dtype == jnp.float32 or sharding.program_platform() == "cpu":
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)
+    return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def einsum_f32_accumulate(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-    """einsum of `a` and `b` rounded to `dtype`, accumulated in float32, with a written-out backward.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def einsum_f32_accumulate(spec: str, a: jax.Array, b: jax.Array, dtype, out_dtype) -> jax.Array:
+    """einsum of `a` and `b` rounded to `dtype`, accumulated in float32, in `out_dtype`; a written-out backward.
 
     Autodiff of `_einsum_f32` on bf16 operands would multiply the float32
     cotangent by a bf16 operand, which XLA runs as a float32 matmul: two thirds of
@@ -88,31 +98,31 @@ def einsum_f32_accumulate(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.A
     `spec` is "a,b->out": no "...", no index repeated within an operand, and every
     index of a or b appears in one of the other two.
     """
-    return _einsum_f32(spec, a.astype(dtype), b.astype(dtype))
+    return _product(spec, a.astype(dtype), b.astype(dtype), out_dtype)
 
 
-def _einsum_f32_accumulate_fwd(spec, a, b, dtype):
-    return _einsum_f32(spec, a.astype(dtype), b.astype(dtype)), (a, b)
+def _einsum_f32_accumulate_fwd(spec, a, b, dtype, out_dtype):
+    return _product(spec, a.astype(dtype), b.astype(dtype), out_dtype), (a, b)
 
 
-def _einsum_f32_accumulate_bwd(spec, dtype, residuals, cotangent):
+def _einsum_f32_accumulate_bwd(spec, dtype, out_dtype, residuals, cotangent):
     a, b = residuals
     operands, out = spec.split("->")
     spec_a, spec_b = operands.split(",")
     g = cotangent.astype(dtype)
-    if jax.default_backend() == "cpu":  # measured there only; accelerators fuse differently
+    if sharding.program_platform() == "cpu":  # measured there only; accelerators fuse differently
         g = jax.lax.optimization_barrier(g)
     a_, b_ = a.astype(dtype), b.astype(dtype)
-    grad_a = _einsum_f32(f"{out},{spec_b}->{spec_a}", g, b_).astype(a.dtype)
-    grad_b = _einsum_f32(f"{spec_a},{out}->{spec_b}", a_, g).astype(b.dtype)
+    grad_a = _product(f"{out},{spec_b}->{spec_a}", g, b_, a.dtype)
+    grad_b = _product(f"{spec_a},{out}->{spec_b}", a_, g, b.dtype)
     return grad_a, grad_b
 
 
 einsum_f32_accumulate.defvjp(_einsum_f32_accumulate_fwd, _einsum_f32_accumulate_bwd)
 
 
-def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype) -> jax.Array:
-    """x·kernel (an einsum `spec`) in `dtype` with float32 accumulation, forward and backward.
+def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype, out_dtype=jnp.float32) -> jax.Array:
+    """x·kernel (an einsum `spec`) in `dtype` with float32 accumulation, forward and backward, in `out_dtype`.
 
     For activations times weights. (Attention's batched products have their own
     written-out backward, `model.softmax_attention`.)
@@ -120,4 +130,4 @@ def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype) -> jax.Array:
     operands = spec.split("->")[0].split(",")
     if "." in spec or any(len(set(s)) != len(s) for s in operands):
         raise ValueError(f"einsum spec {spec!r}: no '...' and no index repeated within an operand")
-    return einsum_f32_accumulate(spec, x, kernel, dtype)
+    return einsum_f32_accumulate(spec, x, kernel, dtype, out_dtype)

@@ -40,6 +40,16 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> tupl
     return tuple(sizes)
 
 
+def program_platform() -> str:
+    """The platform the program being traced is for: that of the mesh it runs under, else the default.
+
+    Not `jax.default_backend()`: a host compiling for a TPU or GPU it does not have is a CPU
+    backend, and a CPU-only choice keyed on it would leak into the accelerator's program.
+    """
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[Any] | None = None) -> Mesh:
     """The (data, fsdp, tensor) mesh over all devices of all processes."""
     devices = list(devices) if devices is not None else jax.devices()

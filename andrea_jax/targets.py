@@ -46,7 +46,7 @@ class Target:
     memory_limit: int  # bytes a program may use on one device
     memory_source: str
     num_hosts: int
-    memory_bytes_per_second: float | None = None  # for the roofline (TPUs: XLA counts bytes for them)
+    memory_bytes_per_second: float | None = None  # for the roofline
 
 
 def _torus(chips: int, dimensions: int) -> list[int]:
@@ -113,9 +113,10 @@ def gpu(name: str) -> Target:
     except Exception as error:  # no CUDA plugin: the runtime says "Unknown backend" or fails to load it
         raise ConfigError(f"--topology {name} needs JAX's CUDA compiler plugin ({str(error).splitlines()[0]}); "
                           f"install it with `pip install -r requirements-gpu-compile.txt`") from error
+    bandwidth = float(re.search(r"memory_bandwidth:\s*(\d+)", text).group(1))
     fraction = gpu_memory_fraction()
     return Target(name, list(topology.devices), int(memory * fraction),
-                  f"{fraction:.0%} of {memory / GIB:.1f} GiB, JAX's GPU memory pool", 1)
+                  f"{fraction:.0%} of {memory / GIB:.1f} GiB, JAX's GPU memory pool", 1, bandwidth)
 
 
 def named(name: str) -> Target:

@@ -21,8 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import (attention, checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, precision,
-                        sharding, summary, train_step)
+from andrea_jax import (checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, resolve, sharding,
+                        summary, train_step)
 from andrea_jax import workdir as run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
@@ -70,10 +70,11 @@ def _barrier(name: str):
     return lambda: multihost_utils.sync_global_devices(name)
 
 
-def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
-            device: Any = None) -> tuple[Any, ml_collections.ConfigDict]:
-    """Checks the workdir, prepares the data, fills in the tokenizer's vocabulary size and the
-    compute dtype "auto" stands for on `device` (config validated)."""
+def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, device: Any = None
+                ) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
+    """Checks the workdir, prepares the data, fills in the tokenizer's vocabulary size and what
+    "auto" stands for on `device` (`resolve.for_devices`; config validated). Returns (prepared data,
+    config, the config the workdir's run was started with or None)."""
     saved = run_dir.load_saved_config(workdir)
     read_by_all = _barrier("andrea_config_read")
     if read_by_all is not None:
@@ -96,15 +97,9 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, leader: bool,
                             "prepare the data")
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size
-    if saved is not None:  # a resumed run keeps computing as it did: its losses stay exact
-        if config.model.dtype == "auto":
-            config.model.dtype = saved.model.dtype
-        if config.microbatches == 0 and saved.microbatches:
-            config.microbatches, config.model.remat = saved.microbatches, saved.model.remat
-    config.model.dtype = precision.resolve_dtype_name(config.model.dtype, device)  # the record says what ran
-    config.model.attention = attention.for_device(config.model, device)
+    config = resolve.for_devices(config, device, saved)  # the record says what ran
     # An existing run's config.json is rewritten by `train` once its checkpoints are known to fit.
-    return prepared, config
+    return prepared, config, saved
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None = None) -> dict:
@@ -123,15 +118,17 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
     leader = jax.process_index() == 0
     validate(config)
     mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation
-    prepared, config = resolve(config, workdir, leader, device=mesh.devices.flat[0])
+    prepared, config, saved = prepare_run(config, workdir, leader, device=mesh.devices.flat[0])
     axis_rules = sharding.rules(config)
     peak, peak_source = flops.peak_flops(config)
     if leader:
         print(summary.format_table(config.model))
+        mfu = f"no MFU: {peak_source}"
+        if peak is not None:
+            mfu = (f"MFU in the nanoGPT/PaLM convention ({flops.flops_per_token(config.model, config.seq_len) / 1e6:.1f}"
+                   f" MFLOP a token) against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
         print(f"mesh {sharding.describe(mesh)}; compute {config.model.dtype}; "
-              f"{config.batch_size * config.seq_len:,} tokens a step; MFU in the nanoGPT/PaLM convention "
-              f"({flops.flops_per_token(config.model, config.seq_len) / 1e6:.1f} MFLOP a token) "
-              f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})", flush=True)
+              f"{config.batch_size * config.seq_len:,} tokens a step; {mfu}", flush=True)
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
         abstract, state_shardings = fit.abstract_state(config, mesh, axis_rules, jax.random.key(config.seed))
@@ -160,6 +157,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
                     state["loss_scale"] = jax.device_put(loss_scale.init(), state_shardings["loss_scale"])
                 if leader:
                     print(f"resumed from step {start_step} of {ckpt.directory}", flush=True)
+                    _report_schedule_change(saved, config, start_step)
             if leader:
                 # Records past the start step come from a run that stopped before saving them
                 # (also before its first checkpoint): they are logged again below.
@@ -175,7 +173,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
 
 
 def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], prepared: pipeline.Prepared,
-          mesh: jax.sharding.Mesh, peak: float, ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
+          mesh: jax.sharding.Mesh, peak: float | None, ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
     config, leader = steps.config, jax.process_index() == 0
     batch_sharding = sharding.batch_sharding(mesh)
     tokens_per_step = config.batch_size * config.seq_len
@@ -236,7 +234,8 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
                     "loss": float(np.mean(interval_losses)),
                     "lr": float(values[-1][1]["lr"]), "grad_norm": float(values[-1][1]["grad_norm"]),
                     "tokens_per_second": tokens_per_second,
-                    "mfu": flops_per_step * interval_steps / elapsed / (peak * mesh.devices.size),
+                    **({} if peak is None else
+                       {"mfu": flops_per_step * interval_steps / elapsed / (peak * mesh.devices.size)}),
                     # config.diagnostics: the per-block figures of the interval's last step
                     **{key: float(value) for key, value in values[-1][1].items() if key.startswith("diag/")},
                     # float16: the loss scale, and how many steps it has skipped since the start
@@ -246,7 +245,7 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
                 writer.write(done, last_record)
                 interval_losses.clear()
                 progress.set_postfix(loss=f"{last_record['loss']:.3f}", tok_s=f"{tokens_per_second:,.0f}",
-                                     mfu=f"{100 * last_record['mfu']:.1f}%")
+                                     **({"mfu": f"{100 * last_record['mfu']:.1f}%"} if "mfu" in last_record else {}))
                 interval_start, interval_steps = time.perf_counter(), 0
 
             if done % config.eval_every == 0 or done == config.steps:
@@ -275,7 +274,21 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
                           f"checkpoint saved in {ckpt.directory}; run the same command to resume", flush=True)
                 return {**last_record, "stopped_at": done}
     progress.close()
+    ckpt.wait()
+    if leader:
+        print(f"finished step {config.steps}; the last checkpoint is "
+              f"{os.path.join(ckpt.directory, str(ckpt.steps()[-1]))}", flush=True)
     return last_record
+
+
+def _report_schedule_change(saved: ml_collections.ConfigDict | None, config: ml_collections.ConfigDict,
+                            start_step: int) -> None:
+    """One line when a resume recomputes the learning-rate schedule: the rate jumps at the resumed step."""
+    changes = run_dir.schedule_changes(saved, config) if saved is not None and start_step else []
+    if changes:
+        now, before = (float(optimizer.learning_rate_schedule(c)(start_step)) for c in (config, saved))
+        print(f"the learning-rate schedule changes on resume ({', '.join(changes)}): step {start_step + 1} "
+              f"trains at {now:.3g}, where the run's own schedule gave {before:.3g}", flush=True)
 
 
 def _agreed(local_stop: bool, done: int, config) -> bool:

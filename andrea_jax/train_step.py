@@ -71,10 +71,11 @@ def split_microbatches(batch_BxLp1: jax.Array, num_micro: int) -> jax.Array:
     return jax.lax.with_sharding_constraint(micro_MxBxLp1, P(None, BATCH_AXES, None))
 
 
-def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransformation,
+def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransformationExtraArgs,
                     schedule: optax.Schedule) -> Callable[[State, jax.Array], tuple[State, dict]]:
     """train_step(state, batch [B, L+1]) -> (state, metrics); gradients accumulated over micro-batches.
 
+    `tx` is `optimizer.make`'s, whose update takes the rate `schedule` gives the state's step.
     With config.diagnostics the metrics also hold the "diag/..." keys of `diagnostics.py`.
     """
     num_micro = max(1, int(config.microbatches))  # 0 (automatic) is resolved by `fit.fit`; alone it means 1
@@ -120,15 +121,18 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
 
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt_state = tx.update(grads, state["opt_state"], params)
+        # The rate of step k is schedule(k) whatever came before: one number, applied and logged.
+        learning_rate = schedule(state["step"])
+        updates, new_opt_state = tx.update(grads, state["opt_state"], params, learning_rate=learning_rate)
         new_params = optax.apply_updates(params, updates)
-        # A non-finite step changes nothing: the state stays the last good one and
-        # the loop stops on the `finite` flag before anything is saved.
+        # A non-finite step leaves params and moments as they were; its batch is spent and the
+        # schedule moves on with the step. float32 and bfloat16 runs stop on the `finite` flag
+        # before anything is saved; float16 skips the step (below).
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = {"step": state["step"] + 1,
                      "params": keep(new_params, params),
                      "opt_state": keep(new_opt_state, state["opt_state"])}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "finite": finite}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": learning_rate, "finite": finite}
         if scaling:
             # Gradients that overflowed the scaled backward skip the step and halve the scale;
             # the run stops only on a non-finite loss or once halving cannot help (scale below 1).

@@ -22,6 +22,8 @@ CONFIG_FILE = "config.json"
 LOCK_FILE = "run.lock"  # held by the training run's process 0 for the run's whole life
 PROJECT = "andrea-jax"
 # Keys that decide the shapes or layout of the saved params.
+# Attention kernels this version replaced, as a saved config names them: what each one reads as now.
+RENAMED_ATTENTION = {"flash": "splash", "dot_product": "auto"}
 SHAPE_KEYS = ("n_layer", "d_model", "n_head", "mlp_dim", "vocab_size", "vocab_pad_multiple", "max_len",
               "scan_layers", "norm_position", "residual", "activation", "mlp_ratio")
 
@@ -51,6 +53,7 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
     except (KeyError, TypeError, ValueError) as error:
         raise ConfigError(f"{path} does not fit this version's config ({error}); use the andrea-jax version "
                           f"that wrote it or a new --workdir") from error
+    config.model.attention = RENAMED_ATTENTION.get(config.model.attention, config.model.attention)
     return config
 
 
@@ -67,6 +70,16 @@ def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.Co
         if old != new:
             raise ConfigError(f"{workdir} holds a run with model.{key}={old}, not {new}; "
                               f"pass --config.model.{key}={old}, or use a new --workdir")
+
+
+def schedule_changes(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> list[str]:
+    """The learning-rate schedule's keys a resume changes, as "key old → new" (a resume may change
+    them, but the schedule is then recomputed over the new values: `steps=1100` on a finished
+    1000-step run raises the rate again)."""
+    pairs = [("steps", saved.steps, config.steps)] + [
+        (f"optimizer.{key}", saved.optimizer[key], config.optimizer[key])
+        for key in ("learning_rate", "warmup_steps", "decay", "min_learning_rate_ratio")]
+    return [f"{key} {old} → {new}" for key, old, new in pairs if old != new]
 
 
 def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:

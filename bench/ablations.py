@@ -33,9 +33,9 @@ import numpy as np  # noqa: E402
 from andrea_jax import diagnostics, logit_lens, model, optimizer, sharding, summary, train_step  # noqa: E402
 from andrea_jax.config import base_config, validate  # noqa: E402
 from andrea_jax.data import batcher, pipeline  # noqa: E402
+from configs import shakespeare_char  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TEXT = os.path.join(HERE, "..", "..", "shared", "data", "tinyshakespeare.txt")
 DEEP = dict(n_layer=24, d_model=64, n_head=4, mlp_dim=256, scan_layers=True)
 
 # name -> (what changes, model overrides, optimizer overrides, plot panel)
@@ -59,7 +59,7 @@ PANELS = ("norm position and warmup", "residuals and depth", "activation and MLP
 LENS_TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun."
 
 
-def study_config(steps: int, model_overrides: dict, optimizer_overrides: dict):
+def study_config(steps: int, model_overrides: dict, optimizer_overrides: dict, source: str = ""):
     c = base_config()
     m = c.model
     m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.max_len, m.vocab_size = 4, 128, 4, 512, 64, 0
@@ -69,9 +69,9 @@ def study_config(steps: int, model_overrides: dict, optimizer_overrides: dict):
     o = c.optimizer
     o.learning_rate, o.min_learning_rate_ratio, o.warmup_steps, o.b2, o.weight_decay = 1e-3, 0.1, 100, 0.99, 0.1
     o.update(optimizer_overrides)
-    c.data.tokenizer = "char"
-    c.data.source = "text:" + os.path.abspath(TEXT) if os.path.exists(TEXT) else "tfds:tiny_shakespeare"
-    c.data.val_fraction = 0.1
+    recipe = shakespeare_char.get_config().data  # its text (downloaded once), characters, 90/10
+    c.data.tokenizer, c.data.val_fraction = recipe.tokenizer, recipe.val_fraction
+    c.data.source = source or recipe.source
     return c
 
 
@@ -245,6 +245,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     parser.add_argument("--out", default=HERE, help="directory for ABLATIONS.md, ablations.png, ablations.json")
     parser.add_argument("--workdir", default="", help="where the tokenizer goes (default: a temporary directory)")
+    parser.add_argument("--source", default="", help="data.source (default: the shakespeare_char recipe's "
+                                                       "download; offline, text:PATH to a copy of its input.txt)")
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     unknown = sorted(set(names) - set(VARIANTS))
@@ -252,13 +254,13 @@ def main() -> None:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     started = time.perf_counter()
     workdir = args.workdir or tempfile.mkdtemp(prefix="andrea_ablations_")
-    base = study_config(args.steps, {}, {})
+    base = study_config(args.steps, {}, {}, args.source)
     validate(base)
     prepared = pipeline.prepare(base, workdir)
     results, rows = {}, []
     for name in names:
         described, model_overrides, optimizer_overrides, _ = VARIANTS[name]
-        config = study_config(args.steps, model_overrides, optimizer_overrides)
+        config = study_config(args.steps, model_overrides, optimizer_overrides, args.source)
         config.model.vocab_size = prepared.tokenizer.vocab_size
         validate(config)
         record = train_variant(config, prepared, args.eval_every, args.eval_batches)

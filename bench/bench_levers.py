@@ -29,8 +29,6 @@ LEVERS = {
     "pad128": (dict(model=dict(vocab_pad_multiple=128)),
                "mid: ±3% (CPU matmuls do not care about 128-multiples; +1.5% FLOPs); shakespeare: slower "
                "(66 -> 128 doubles the output matmul)"),
-    "dot_product": (dict(model=dict(attention="dot_product")),
-                    "±3%: on a CPU jax.nn.dot_product_attention lowers to the same einsum + softmax"),
     "scan_layers": (dict(model=dict(scan_layers=True)),
                     "compile time about n_layer× shorter; step 0-5% slower (parameter slicing, grad stacking)"),
     "remat_on": (dict(model=dict(remat=True)),

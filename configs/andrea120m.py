@@ -7,7 +7,7 @@ from andrea_jax.config import base_config
 def get_config():
     c = base_config()  # the model section already is the exact ANDREA-120M
     c.model.dtype = "auto"  # bfloat16 on TPUs and NVIDIA GPUs from the A100 on
-    c.model.attention = "auto"  # the Pallas flash kernel on TPUs, cuDNN's flash attention on GPUs
+    c.model.attention = "auto"  # the Pallas splash kernel on TPUs, cuDNN's fused attention on GPUs
     c.steps = 20_000
     c.batch_size = 32  # × 1024 tokens = 32k tokens a step
     c.seq_len = 1024

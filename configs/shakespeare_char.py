@@ -2,13 +2,11 @@
 4 layers, 4 heads, d_model 128, context 64, batch 12, 2000 steps, lr 1e-3
 decayed to 1e-4, character tokens, dropout 0. nanoGPT reaches val loss ~1.88."""
 
-import os
-
 from andrea_jax.config import base_config
 
-# nanoGPT's own data file splits 90/10 by position; use it when it is beside the
-# repository, else the TFDS copy of the same text (downloaded on first use).
-_LOCAL_TEXT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "tinyshakespeare.txt")
+# The text nanoGPT's data/shakespeare_char/prepare.py downloads, fetched once into
+# data.cache_dir. Offline: --config.data.source=text:PATH/TO/input.txt (a copy of it).
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
 
 def get_config():
@@ -32,9 +30,6 @@ def get_config():
     o.b2 = 0.99
     o.weight_decay = 0.1
     c.data.tokenizer = "char"
-    if os.path.exists(_LOCAL_TEXT):
-        c.data.source = "text:" + os.path.abspath(_LOCAL_TEXT)
-        c.data.val_fraction = 0.1
-    else:
-        c.data.source = "tfds:tiny_shakespeare"
+    c.data.source = "url:" + TINYSHAKESPEARE_URL
+    c.data.val_fraction = 0.1  # the last 10% of the text, nanoGPT's split
     return c

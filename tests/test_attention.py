@@ -1,4 +1,7 @@
-"""The TPU flash kernel against the einsum path, run by Pallas's TPU interpreter on the CPU; the choice of kernel."""
+"""The TPU splash kernel against the einsum path, run by Pallas's TPU interpreter on the CPU; the choice of kernel.
+
+(cuDNN's kernel needs a GPU to run: tests/test_compile_check.py compiles it for one.)
+"""
 
 import math
 
@@ -16,8 +19,10 @@ from tests.test_model import forward, init, small_model
 
 
 class FakeDevice:
-    def __init__(self, platform):
+    def __init__(self, platform, compute_capability=None):
         self.platform = platform
+        if compute_capability is not None:
+            self.compute_capability = compute_capability
 
 
 def einsum_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK):
@@ -36,13 +41,13 @@ def assert_close_in_bfloat16(ours, reference, relative=2e-2):
     assert np.abs(ours - reference).max() <= relative * np.abs(reference).max()
 
 
-def test_flash_forward_and_gradients_equal_the_einsum_path_at_odd_shapes():
+def test_splash_forward_and_gradients_equal_the_einsum_path_at_odd_shapes():
     """3 rows, 3 heads of 32, length 200 padded to 256: two blocks of 128 each way, the kernels that
     context 1024 runs in blocks of 512. (The mesh test below takes the one-block path.)"""
     q, k, v, cotangent = (jax.random.normal(key, (3, 200, 3, 32), jnp.bfloat16)
                           for key in jax.random.split(jax.random.key(0), 4))
-    with pltpu.force_tpu_interpret_mode():
-        out, backward = jax.vjp(lambda q, k, v: attention.flash_attention(q, k, v, block=128), q, k, v)
+    with pltpu.force_tpu_interpret_mode(True):  # Pallas's plain interpreter: the TPU one stops at splash's grid
+        out, backward = jax.vjp(lambda q, k, v: attention.splash_attention(q, k, v, block=128), q, k, v)
         grads = backward(cotangent)
     expected, expected_backward = jax.vjp(einsum_attention, q, k, v)
     assert out.dtype == jnp.bfloat16
@@ -58,14 +63,14 @@ def loss_and_grads(m, params, ids_BxL):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-def test_flash_model_on_a_data_fsdp_tensor_mesh_equals_the_einsum_model_on_one_device():
+def test_splash_model_on_a_data_fsdp_tensor_mesh_equals_the_einsum_model_on_one_device():
     """Each device runs the kernel on its own rows and heads; the loss and every gradient agree.
 
     Length 12, padded to one block of 128. Pallas's plain interpreter (`True`): the TPU
     interpreter, which simulates each device's memories, stalled on this 8-device backward.
     """
     m_xla = small_model(n_layer=1, dtype="bfloat16", attention="xla")
-    m_flash = small_model(n_layer=1, dtype="bfloat16", attention="flash")
+    m_splash = small_model(n_layer=1, dtype="bfloat16", attention="splash")
     params = init(m_xla, scale=4.0)
     ids = np.random.default_rng(0).integers(0, m_xla.vocab_size, (4, 13))
     expected_loss, expected_grads = loss_and_grads(m_xla, params, ids)
@@ -75,8 +80,8 @@ def test_flash_model_on_a_data_fsdp_tensor_mesh_equals_the_einsum_model_on_one_d
     config.mesh.update(dict(data=2, fsdp=2, tensor=2))
     mesh = sharding.make_mesh(config, jax.devices()[:8])
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.rules(config)), pltpu.force_tpu_interpret_mode(True):
-        lowered = jax.jit(lambda p, x: forward(m_flash, p, x)).lower(params, ids).as_text()
-        loss, grads = loss_and_grads(m_flash, params, jax.device_put(ids, sharding.batch_sharding(mesh)))
+        lowered = jax.jit(lambda p, x: forward(m_splash, p, x)).lower(params, ids).as_text()
+        loss, grads = loss_and_grads(m_splash, params, jax.device_put(ids, sharding.batch_sharding(mesh)))
     # Inside the shard_map each device holds 1 of the 4 rows and 2 of the 4 heads (of 16).
     assert "shard_map" in lowered or "sdy.manual_computation" in lowered
     assert "tensor<1x2x128x16xbf16>" in lowered
@@ -84,24 +89,35 @@ def test_flash_model_on_a_data_fsdp_tensor_mesh_equals_the_einsum_model_on_one_d
     jax.tree.map(assert_close_in_bfloat16, grads, expected_grads)
 
 
-@pytest.mark.parametrize("name, platform, width, expected", [
-    ("auto", "tpu", 64, "flash"),
-    ("auto", "tpu", 192, "dot_product"),  # wider than the kernel takes
-    ("auto", "gpu", 64, "dot_product"),
-    ("auto", "cpu", 64, "dot_product"),
-    ("xla", "tpu", 64, "xla"),
-    ("flash", "tpu", 128, "flash"),
+@pytest.mark.parametrize("name, device, width, expected", [
+    ("auto", FakeDevice("tpu"), 64, "splash"),
+    ("auto", FakeDevice("tpu"), 192, "xla"),  # wider than the kernel takes
+    ("auto", FakeDevice("gpu", "9.0"), 64, "cudnn"),
+    ("auto", FakeDevice("gpu", "8.0"), 64, "cudnn"),
+    ("auto", FakeDevice("gpu", "7.5"), 64, "xla"),  # a T4: no cuDNN flash attention
+    ("auto", FakeDevice("cpu"), 64, "xla"),
+    ("xla", FakeDevice("tpu"), 64, "xla"),
+    ("splash", FakeDevice("tpu"), 128, "splash"),
 ])
-def test_auto_picks_flash_on_tpus_only_and_explicit_names_stay(name, platform, width, expected):
-    assert attention.resolve_name(name, width, FakeDevice(platform)) == expected
+def test_auto_picks_each_chips_kernel_and_explicit_names_stay(name, device, width, expected):
+    assert attention.resolve_name(name, width, device) == expected
 
 
-def test_flash_off_a_tpu_or_at_a_width_the_kernel_cannot_take_is_refused_with_the_fix():
-    m = small_model(attention="flash")
-    assert attention.for_device(m, FakeDevice("tpu")) == "flash"
-    with pytest.raises(ConfigError, match="'flash' is a TPU kernel and this run's devices are gpu; use 'auto'"):
-        attention.for_device(m, FakeDevice("gpu"))
+def test_a_kernel_off_its_chip_or_at_a_width_it_cannot_take_is_refused_with_the_fix():
+    assert attention.for_device(small_model(attention="splash"), FakeDevice("tpu")) == "splash"
+    with pytest.raises(ConfigError, match="'splash' runs on TPUs and this run's devices are gpu; use 'auto'"):
+        attention.for_device(small_model(attention="splash"), FakeDevice("gpu", "9.0"))
+    with pytest.raises(ConfigError, match="'cudnn' runs on GPUs and this run's devices are cpu"):
+        attention.for_device(small_model(attention="cudnn"), FakeDevice("cpu"))
+    with pytest.raises(ConfigError, match="'cudnn' needs compute capability 8.0 or newer and this GPU has 7.5"):
+        attention.for_device(small_model(attention="cudnn"), FakeDevice("gpu", "7.5"))
     config = base_config()
-    config.model.attention, config.model.n_head = "flash", 4  # heads of 192
+    config.model.attention, config.model.n_head = "splash", 4  # heads of 192
     with pytest.raises(ConfigError, match="not 192 .*change n_head or use 'auto'"):
         validate(config)
+
+
+def test_a_run_recorded_with_a_kernel_this_machine_lacks_evaluates_with_this_machines_choice():
+    assert attention.for_saved_run(small_model(attention="splash"), FakeDevice("cpu")) == "xla"
+    assert attention.for_saved_run(small_model(attention="splash"), FakeDevice("gpu", "9.0")) == "cudnn"
+    assert attention.for_saved_run(small_model(attention="cudnn"), FakeDevice("gpu", "9.0")) == "cudnn"

@@ -44,19 +44,21 @@ def assert_fits_with_the_fewest(steps, target, lines):
 
 @needs_libtpu
 @pytest.mark.parametrize("topology", ["v5e-1", "v6e-1"])
-def test_andrea120m_as_typed_fits_one_colab_tpu_by_itself(topology):
+def test_andrea120m_as_typed_fits_one_colab_tpu_by_itself_in_one_microbatch(topology):
     steps, target, lines = fitted(topology)
-    assert steps.config.model.dtype == "bfloat16" and steps.config.model.attention == "flash"
-    # With the flash kernel (libtpu 0.0.42): v5e-1 needs 2 micro-batches of 16 × 1024, v6e-1 one.
-    assert steps.config.microbatches == {"v5e-1": 2, "v6e-1": 1}[topology]
+    assert steps.config.model.dtype == "bfloat16" and steps.config.model.attention == "splash"
+    # With the splash kernel and bf16 activations (libtpu 0.0.42) both take the whole batch at once.
+    assert steps.config.microbatches == 1
     assert_fits_with_the_fewest(steps, target, lines)
+    cost = compile_check.step_cost(steps, target)
+    assert cost.mfu_bound >= {"v5e-1": 0.85, "v6e-1": 0.5}[topology]
 
 
 @needs_libtpu
 def test_one_microbatch_forced_on_v5e_1_is_refused_with_the_fix():
     # XLA's own attention keeps [B, H, L, L] scores: its compiler refuses the step outright.
     with pytest.raises(ConfigError, match=r"does not fit .*XLA refused it.*set a larger --config.microbatches"):
-        fitted("v5e-1", microbatches=1, **{"model.attention": "dot_product"})
+        fitted("v5e-1", microbatches=1, **{"model.attention": "xla"})
 
 
 @needs_libtpu
@@ -90,24 +92,46 @@ def test_the_command_refuses_an_unknown_topology_with_one_line():
 @pytest.mark.parametrize("gpu", ["t4", "l4", "a100_40gb", "a100_80gb", "h100"])
 def test_andrea120m_as_typed_fits_each_colab_gpu_by_itself(gpu):
     steps, target, lines = fitted(gpu)
-    # A T4's tensor cores have float16 only: "auto" computes in it there, with loss scaling.
+    # A T4's tensor cores have float16 only: "auto" computes in it there, with loss scaling, and
+    # it has no cuDNN flash attention.
     assert steps.config.model.dtype == ("float16" if gpu == "t4" else "bfloat16")
+    assert steps.config.model.attention == ("xla" if gpu == "t4" else "cudnn")
     assert target.memory_limit == int(targets.gpu_memory_fraction() * {"t4": 15_843_721_216, "l4": 23_670_554_624,
                                               "a100_40gb": 42_331_013_120, "a100_80gb": 85_100_068_864,
                                               "h100": 84_942_979_072}[gpu])
     assert_fits_with_the_fewest(steps, target, lines)
+    if gpu != "t4":
+        assert steps.config.microbatches == 1
+        hlo = steps.train.as_text()
+        # cuDNN's fused attention, forward and backward, in every block; no [B, H, L, L] scores anywhere.
+        assert hlo.count('custom_call_target="__cudnn$fmhaSoftmax"') == 12
+        assert hlo.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') == 12
+        assert not re.search(r"\[32,12,1024,1024\]", hlo)
+    if gpu == "h100":
+        cost = compile_check.step_cost(steps, target)
+        assert cost.mfu_bound >= 0.6
+        assert "MFU can be at most" in compile_check.describe(steps, target)
+
+
+def tiny_step_for(devices_or_topology, **overrides):
+    config = andrea120m.get_config()
+    config.update_from_flattened_dict({"model.n_layer": 1, "model.d_model": 128, "model.n_head": 2,
+                                       "model.vocab_size": 256, "model.dtype": "bfloat16", "batch_size": 2,
+                                       "seq_len": 256, "microbatches": 1, "model.attention": "xla", **overrides})
+    if isinstance(devices_or_topology, str):
+        return compile_check.compiled_for(config, targets.named(devices_or_topology), report=lambda line: None)
+    target = targets.Target("cpu", devices_or_topology, 2 ** 40, "host", 1)
+    return compile_check.compiled_for(config, target, report=lambda line: None)
 
 
 @needs_libtpu
-def test_the_flash_kernel_compiles_per_shard_on_a_data_fsdp_tensor_mesh_of_tpus():
-    """Every kernel call (forward, and both backward ones) sees 1/4 of the rows and 1/2 of the heads."""
-    config = andrea120m.get_config()
-    config.update_from_flattened_dict({"model.n_layer": 1, "model.d_model": 128, "model.n_head": 4,
-                                       "model.vocab_size": 256, "batch_size": 8, "seq_len": 128,
-                                       "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
-    steps = compile_check.compiled_for(config, targets.named("v5e-8"), report=lambda line: None)
-    assert steps.config.model.attention == "flash"
-    calls = [line for line in steps.train.as_text().splitlines() if 'custom_call_target="tpu_custom_call"' in line]
-    assert len(calls) == 3
-    for call in calls:
-        assert set(re.findall(r"bf16\[[\d,]+\]", call.split("custom-call(")[0])) == {"bf16[2,2,128,32]"}
+def test_a_step_compiled_for_a_tpu_holds_none_of_the_cpu_only_choices():
+    """On a compile-only host the default backend is the CPU; the program for the chip must not see it.
+
+    The CPU step has the matmul backward's optimization barrier and attention in blocks of 128
+    queries; the TPU step has neither (its scores are one [B, H, 256, 256] product)."""
+    import jax
+    cpu = tiny_step_for(jax.devices()[:1]).train.as_text()
+    tpu = tiny_step_for("v5e-1").train.as_text()
+    assert "opt-barrier" in cpu and "[2,2,256,256]" not in cpu
+    assert "opt-barrier" not in tpu and "[2,2,256,256]" in tpu

@@ -42,6 +42,9 @@ def test_config_files_are_the_expected_models():
     assert (s.model.n_layer, s.model.n_head, s.model.d_model, s.seq_len, s.batch_size, s.steps) == \
         (4, 4, 128, 64, 12, 2000)
     assert s.optimizer.learning_rate == 1e-3 and s.data.tokenizer == "char"
+    # nanoGPT's text, fetched into the data cache: nothing outside a fresh clone is needed.
+    assert s.data.source == ("url:https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                             "tinyshakespeare/input.txt") and s.data.val_fraction == 0.1
     assert configs["tiny"].data.source == "stdlib"
 
 
@@ -50,7 +53,7 @@ def test_config_files_are_the_expected_models():
     (dict(seq_len=2048), "seq_len=2048 exceeds model.max_len=1024"),
     (dict(batch_size=10, microbatches=4), "not divisible by microbatches=4"),
     (dict(model=dict(dtype="float8")), "model.dtype='float8' is not one of"),
-    (dict(model=dict(attention="splash")), "model.attention='splash' is not one of 'auto'"),
+    (dict(model=dict(attention="flash")), "model.attention='flash' is not one of 'auto', 'xla', 'cudnn', 'splash'"),
     (dict(optimizer=dict(decay="step")), "optimizer.decay='step'"),
     (dict(mesh=dict(data=-1, fsdp=-1)), "only one of mesh.data"),
     (dict(steps=0), "steps=0 must be at least 1"),

@@ -3,7 +3,8 @@ import sysconfig
 
 import pytest
 
-from andrea_jax.data import DataError, local_files
+from andrea_jax.config import base_config
+from andrea_jax.data import DataError, local_files, sources
 
 
 def write(path, content: bytes | str):
@@ -75,3 +76,61 @@ def test_fingerprint_changes_with_the_files(tmp_path):
     assert before == local_files.fingerprint(str(tmp_path), [str(a)])
     write(tmp_path / "a.txt", "one more")
     assert local_files.fingerprint(str(tmp_path), [str(a)]) != before
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A local HTTP server over tmp_path/site: (its base URL, the paths it was asked for)."""
+    import functools
+    import http.server
+    import threading
+
+    asked = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    (tmp_path / "site").mkdir()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(Handler, directory=str(tmp_path / "site")))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_url_is_downloaded_once_into_the_cache(tmp_path, served):
+    base, asked = served
+    write(tmp_path / "site" / "input.txt", "First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    cache = str(tmp_path / "cache")
+    path = local_files.download(f"{base}/input.txt", cache)
+    assert path.startswith(os.path.join(cache, "downloads") + os.sep) and os.path.basename(path) == "input.txt"
+    assert open(path).read() == (tmp_path / "site" / "input.txt").read_text()
+    assert os.listdir(os.path.dirname(path)) == ["input.txt"]  # no temporary file left beside it
+    assert local_files.download(f"{base}/input.txt", cache) == path
+    assert asked == ["/input.txt"]  # the second call read the cached copy
+    # As data.source: the downloaded file is the one document, split 90/10 by position.
+    data = base_config().data
+    data.update(dict(source=f"url:{base}/input.txt", cache_dir=cache, val_fraction=0.1))
+    splits = sources.open_source(data)
+    assert "".join(splits.train.read(0, 1) + splits.val.read(0, 1)) == open(path).read()
+    assert splits.identity["source"] == f"url:{base}/input.txt" and asked == ["/input.txt"]
+
+
+def test_a_url_that_cannot_be_fetched_is_one_line_naming_a_local_file(tmp_path, served):
+    import socket
+    base, _ = served
+    with socket.socket() as probe:  # a port nothing listens on: what an offline machine gives
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    for url in (f"http://127.0.0.1:{closed}/input.txt", f"{base}/missing.txt"):
+        with pytest.raises(DataError, match=r"^cannot download .*--config\.data\.source=text:PATH$") as error:
+            local_files.download(url, str(tmp_path / "cache"))
+        assert "\n" not in str(error.value)
+    assert not os.path.exists(tmp_path / "cache" / "downloads")

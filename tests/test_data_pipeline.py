@@ -34,12 +34,17 @@ def make_config(tmp_path, source, tokenizer="byte", vocab_size=0):
     return config
 
 
-def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path):
+def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path, capsys):
     corpus = make_corpus(tmp_path / "corpus")
     config = make_config(tmp_path, f"text:{corpus}", tokenizer="bpe")
     config.data.tokenizer_train_bytes = 50_000
     workdir = tmp_path / "run"
     first = pipeline.prepare(config, str(workdir))
+    # Each slow start-up stage says what it is doing before it starts.
+    assert capsys.readouterr().out.splitlines() == [
+        "training the BPE tokenizer (8192 merges) on up to 0.05 MB of the training split",
+        f"encoding the train split into the token cache {first.train.path}",
+        f"encoding the val split into the token cache {first.val.path}"]
 
     tokenizer = first.tokenizer
     assert tokenizer.kind == "bpe" and 257 < tokenizer.vocab_size <= 8449
@@ -57,6 +62,7 @@ def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path):
     config.data.tokenizer_train_bytes = 10_000  # would train another tokenizer
     modified = os.path.getmtime(first.train.path)
     resumed = pipeline.prepare(config, str(workdir))
+    assert capsys.readouterr().out == ""  # nothing to train or encode
     assert resumed.tokenizer.sha256 == tokenizer.sha256
     assert resumed.train.path == first.train.path
     assert os.path.getmtime(resumed.train.path) == modified
@@ -159,6 +165,20 @@ def test_training_sample_of_a_stream_is_its_start_and_stops_at_its_end():
     stream = sources.StreamedDocuments(lambda: iter(["ab" * 10, "cd" * 10, "ef" * 10]))
     assert pipeline.training_sample(stream, 30) == ["ab" * 10, "cd" * 5]
     assert pipeline.training_sample(sources.StreamedDocuments(lambda: iter(["x", "y"])), 1000) == ["x", "y"]
+
+
+def test_shakespeare_char_recipe_runs_offline_from_a_local_copy(tmp_path):
+    """configs/shakespeare_char.py with --config.data.source=text:PATH, as the README gives it for offline use."""
+    from tests.test_config import CONFIGS, load
+    config = load(next(p for p in CONFIGS if p.stem == "shakespeare_char"))
+    text = "".join(f"ROMEO {i}:\nBut soft, what light through yonder window breaks?\n" for i in range(150))
+    (tmp_path / "input.txt").write_text(text)
+    config.data.source, config.data.cache_dir = f"text:{tmp_path / 'input.txt'}", str(tmp_path / "cache")
+    prepared = pipeline.prepare(config, str(tmp_path / "run"))
+    assert prepared.tokenizer.kind == "char" and prepared.tokenizer.vocab_size == len(set(text)) + 1
+    cut = int(len(text) * 0.9)  # nanoGPT's 90/10 split by position; + end-of-text each
+    assert (prepared.train.num_tokens, prepared.val.num_tokens) == (cut + 1, len(text) - cut + 1)
+    assert prepared.tokenizer.decode(prepared.val.tokens[:-1]) == text[cut:]
 
 
 def test_shakespeare_char_matches_nanogpt_split(tmp_path):

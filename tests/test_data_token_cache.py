@@ -107,6 +107,15 @@ def test_killed_build_leaves_no_complete_looking_cache(tmp_path):
     assert sorted(os.listdir(directory)) == ["train.bin", "train.json"]
 
 
+def test_a_cache_that_cannot_be_written_raises_its_own_error(tmp_path, monkeypatch):
+    def refuse(path, *args, **kwargs):  # what a read-only cache directory gives a non-root user
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(token_cache, "open", refuse, raising=False)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        build(tmp_path)
+
+
 def test_cache_of_another_tokenizer_is_not_used(tmp_path):
     directory, _ = build(tmp_path)
     cached, problem = token_cache.load(directory, "train", CharTokenizer("ab").sha256)

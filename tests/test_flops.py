@@ -33,6 +33,12 @@ def test_config_peak_wins():
     assert flops.peak_flops(c) == (1.5e12, "config.peak_flops")
 
 
+def test_a_cpu_has_no_peak_and_so_no_mfu():
+    # A matmul rate measured at start-up on a busy CPU is no peak: it gave MFUs above 100%.
+    peak, why = flops.peak_flops(base_config())
+    assert peak is None and "--config.peak_flops=" in why
+
+
 @pytest.mark.parametrize("variant", [dict(activation="swiglu"), dict(mlp_ratio=2.0), dict(mlp_ratio=8.0),
                                      dict(activation="relu")])
 def test_six_n_counts_every_parameter_of_the_variants(variant):

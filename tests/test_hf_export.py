@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import pickle
+import stat
 import subprocess
 import sys
 
@@ -89,6 +90,14 @@ def test_export_writes_gpt2_files_with_padding_cut(run, exported):
     np.testing.assert_array_equal(weights["transformer.wte.weight"], np.asarray(run["params"]["token_embed"])[:vocab])
     with open(os.path.join(exported, "tokenizer.json")) as f:
         assert f.read() == run["tokenizer"].to_json()
+
+
+def test_every_exported_file_has_the_mode_the_umask_gives(exported):
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {name: stat.S_IMODE(os.stat(os.path.join(exported, name)).st_mode) for name in os.listdir(exported)}
+    assert "model.safetensors" in modes  # safetensors' own save_file gave it 0600
+    assert modes == {name: 0o666 & ~umask for name in modes}
 
 
 def test_transformers_loads_the_export_with_the_same_logits(run, exported):

@@ -84,7 +84,34 @@ def test_an_overflow_skips_the_step_and_halves_the_scale(trained_params):
     assert int(metrics["skipped_steps"]) == 1 and float(new_state["loss_scale"]["scale"]) == 2.0 ** 39
     unchanged = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new_state["params"], trained_params)
     assert all(jax.tree.leaves(unchanged))
-    assert int(new_state["step"]) == 1  # the batch is spent; the optimizer's own count (its schedule) waits
+    assert int(new_state["step"]) == 1  # the batch is spent (and the schedule, read from the step, moves on)
+    unchanged = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new_state["opt_state"],
+                             optimizer.make(config).init(trained_params))
+    assert all(jax.tree.leaves(unchanged))  # the moments and Adam's count wait
+
+
+def test_after_skipped_steps_an_update_applies_the_rate_it_logs():
+    # PyTorch's GradScaler with a scheduler: step k applies schedule(k) even after skipped steps.
+    config = small_config("float16", **{"optimizer.warmup_steps": 10, "optimizer.weight_decay": 0.0})
+    tx = optimizer.make(config)
+    schedule = optimizer.learning_rate_schedule(config)
+    step = jax.jit(train_step.make_train_step(config, tx, schedule))
+    state = sharding.unbox(train_step.init_state(jax.random.key(0), config, tx))
+    first_params = state["params"]
+    state["loss_scale"]["scale"] = jnp.float32(2.0 ** 40)  # overflows at 2^40, 2^39 and 2^38
+    for _ in range(3):
+        state, metrics = step(state, PERIODIC_BATCH)
+    assert int(metrics["skipped_steps"]) == 3
+    state["loss_scale"]["scale"] = jnp.float32(2.0 ** 10)
+    before = state["params"]
+    state, metrics = step(state, PERIODIC_BATCH)
+    assert int(metrics["skipped_steps"]) == 3
+    assert float(metrics["lr"]) == pytest.approx(float(schedule(3)), rel=1e-6) and float(schedule(3)) > 0
+    # Adam's first update moves each weight by lr · g / (|g| + eps): by the rate itself where |g| >> eps.
+    moved = max(float(jnp.max(jnp.abs(new - old)))
+                for new, old in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(before)))
+    assert moved == pytest.approx(float(metrics["lr"]), rel=1e-3)
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), before, first_params)))
 
 
 def test_float16_losses_track_float32_over_a_short_run():

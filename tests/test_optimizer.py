@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import numpy as np
+import optax
 import pytest
 
 from andrea_jax import model, optimizer
@@ -54,6 +55,27 @@ def test_weight_decay_shrinks_matrices_but_not_biases():
     params = {"fc_kernel": np.ones((2, 2), np.float32), "fc_bias": np.ones((2,), np.float32)}
     tx = optimizer.make(c)
     zero_grads = jax.tree.map(np.zeros_like, params)
-    updates, _ = tx.update(zero_grads, tx.init(params), params)
+    updates, _ = tx.update(zero_grads, tx.init(params), params, learning_rate=0.1)
     assert np.allclose(updates["fc_kernel"], -0.1 * 0.5)
     assert np.all(updates["fc_bias"] == 0)
+
+
+def test_the_passed_rate_gives_optax_adamw_s_updates_and_state_layout():
+    """Step by step (none skipped) the same numbers as optax.adamw with the schedule, and the same
+    state tree, so checkpoints written with optax.adamw restore."""
+    c = schedule_config("cosine")
+    c.optimizer.update(dict(warmup_steps=2, grad_clip_norm=1e9))
+    schedule = optimizer.learning_rate_schedule(c)
+    reference = optax.chain(optax.clip_by_global_norm(1e9), optax.adamw(
+        schedule, b1=c.optimizer.b1, b2=c.optimizer.b2, eps=c.optimizer.eps, weight_decay=c.optimizer.weight_decay,
+        mask=lambda p: optimizer.weight_decay_mask(p, True)))
+    tx = optimizer.make(c)
+    params = {"fc_kernel": np.full((3, 2), 0.5, np.float32), "fc_bias": np.zeros((2,), np.float32)}
+    ours, theirs = tx.init(params), reference.init(params)
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for step in range(4):
+        grads = jax.tree.map(lambda p: np.full_like(p, 0.1 * (step + 1)), params)
+        updates, ours = tx.update(grads, ours, params, learning_rate=schedule(step))
+        expected, theirs = reference.update(grads, theirs, params)
+        for a, b in zip(jax.tree.leaves((updates, ours)), jax.tree.leaves((expected, theirs))):
+            np.testing.assert_array_equal(a, b)

@@ -63,7 +63,7 @@ def test_low_precision_backward_is_the_bf16_product_of_the_rounded_cotangent(spe
     ka, kb, kg = jax.random.split(jax.random.key(0), 3)
     a = jax.random.normal(ka, shape_a).astype(jnp.bfloat16)
     b = jax.random.normal(kb, shape_b).astype(jnp.bfloat16)
-    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y, jnp.bfloat16), a, b)
+    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y, jnp.bfloat16, jnp.float32), a, b)
     assert out.dtype == jnp.float32
     g = jax.random.normal(kg, out.shape, jnp.float32)
     grad_a, grad_b = vjp(g)
@@ -107,9 +107,9 @@ def test_bf16_gradient_runs_every_weight_matmul_in_bf16_forward_and_backward():
     text = jax.jit(grad_fn).lower(params, batch).as_text()
     pairs = _dot_operand_dtypes(text)
     all_bf16 = sum(1 for lhs, rhs in pairs if lhs == rhs == "bf16")
-    # Per layer: 4 weight matmuls (qkv, out, fc, proj), plus the tied output; each
+    # Per layer: 6 weight matmuls (q, k, v, out, fc, proj), plus the tied output; each
     # runs once forward and twice backward. Attention's own 2 products forward and 4 backward.
-    assert len(pairs) == 3 * (4 * m.n_layer + 1) + 6 * m.n_layer, pairs
+    assert len(pairs) == 3 * (6 * m.n_layer + 1) + 6 * m.n_layer, pairs
     assert all_bf16 == len(pairs), pairs
 
 
@@ -143,7 +143,7 @@ def test_float32_backward_equals_autodiff(spec):
     shape_a, shape_b = SPECS[spec]
     ka, kb, kg = jax.random.split(jax.random.key(3), 3)
     a, b = jax.random.normal(ka, shape_a), jax.random.normal(kb, shape_b)
-    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y, jnp.float32), a, b)
+    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y, jnp.float32, jnp.float32), a, b)
     g = jax.random.normal(kg, out.shape)
     ref_out, ref_vjp = jax.vjp(lambda x, y: jnp.einsum(spec, x, y), a, b)
     np.testing.assert_array_equal(out, ref_out)
@@ -171,3 +171,18 @@ def test_float16_backward_runs_in_float16_and_needs_the_loss_scaled():
 def test_matmul_refuses_specs_its_backward_cannot_transpose():
     with pytest.raises(ValueError, match="no index repeated"):
         precision.matmul(jnp.ones((3, 3)), jnp.ones((3,)), "ii,i->i", jnp.float32)
+
+
+@pytest.mark.parametrize("platform, result_dtypes", [("cpu", {"f32"}), ("tpu", {"bf16"})])
+def test_products_return_the_compute_dtype_on_accelerators_and_float32_then_rounded_on_a_cpu(
+        platform, result_dtypes, monkeypatch):
+    """XLA:CPU multiplies bf16 fastest with float32 results; a GPU or TPU rounds in the product itself."""
+    monkeypatch.setattr(precision.sharding, "program_platform", lambda: platform)
+    x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 3), jnp.float32)
+    step = lambda x, w: precision.matmul(x, w, "td,dn->tn", jnp.bfloat16, jnp.bfloat16)
+    out = jax.jit(step)(x, w)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 8.0)
+    lowered = jax.jit(step).lower(x, w).as_text()
+    products = re.findall(r"stablehlo.dot_general .*-> tensor<4x3x(\w+)>", lowered)
+    assert products and set(products) == result_dtypes

@@ -54,7 +54,7 @@ def test_cache_shapes_and_dtype():
     assert scanned["blocks"]["block"]["attn"]["key"].shape == (2, 2, 16, 4, 16)  # layer axis first
 
 
-@pytest.mark.parametrize("options", [dict(), dict(scan_layers=True, remat=True), dict(attention="dot_product")])
+@pytest.mark.parametrize("options", [dict(), dict(scan_layers=True, remat=True)])
 def test_prefill_and_decode_steps_give_the_full_forward_logits(options):
     m, params = model_and_params(**options)
     ids = np.random.default_rng(0).integers(0, m.vocab_size, (2, 9))

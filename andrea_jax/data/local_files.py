@@ -1,4 +1,5 @@
-"""Local text files as documents: `text:` (a file, a directory walked, or a glob) and `stdlib`.
+"""Local text files as documents: `text:` (a file, a directory walked, or a glob), `stdlib`, and
+`url:`, a file downloaded once into the data cache.
 
 Each file is one document, read when asked, in sorted path order; bytes that
 are not UTF-8 read as U+FFFD. TFDS is only for `tfds:` sources.
@@ -10,8 +11,11 @@ import glob
 import hashlib
 import os
 import sysconfig
+import urllib.parse
+import urllib.request
 from typing import Sequence
 
+from andrea_jax import atomic
 from andrea_jax.data import DataError
 
 # What a directory source reads; a glob reads whatever it matches.
@@ -22,6 +26,7 @@ TEXT_SUFFIXES = frozenset(
 STDLIB_SKIPPED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 _SNIFF_BYTES = 8192
+DOWNLOAD_TIMEOUT_S = 60
 
 
 def _is_text_file(path: str) -> bool:
@@ -76,6 +81,24 @@ def list_stdlib_files() -> tuple[str, list[str]]:
             and not (relative == "lib2to3" and d == "tests"))
         found += [os.path.join(directory, n) for n in names if n.endswith(".py")]
     return root, _keep_text_files(sorted(found), f"standard library {root!r}")
+
+
+def download(url: str, cache_dir: str) -> str:
+    """The copy of `url` in `<cache_dir>/downloads/`, fetched on first use, whole, then renamed into place."""
+    name = os.path.basename(urllib.parse.urlparse(url).path) or "download"
+    path = os.path.join(cache_dir, "downloads", hashlib.sha256(url.encode("utf-8")).hexdigest()[:16], name)
+    if os.path.exists(path):
+        return path
+    print(f"downloading {url} to {path}", flush=True)
+    try:
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
+            content = response.read()
+    except (OSError, ValueError) as error:  # offline, refused, timed out, HTTP errors, a malformed URL
+        raise DataError(f"cannot download {url} ({getattr(error, 'reason', error)}); without a network, "
+                        f"point data.source at a local copy: --config.data.source=text:PATH") from None
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic.write(path, content)
+    return path
 
 
 def fingerprint(root: str, files: Sequence[str]) -> str:

@@ -34,10 +34,6 @@ class Prepared:
     val: TokenSplit
 
 
-def cache_dir_of(data: ml_collections.ConfigDict) -> str:
-    return os.path.expanduser(data.cache_dir or "~/.cache/andrea_jax")
-
-
 def open_splits(config: ml_collections.ConfigDict) -> sources.Splits:
     """The documents of `config.data`; a stream sized by the tokens the run's steps read."""
     steps_tokens = int(config.steps) * int(config.batch_size) * (int(config.seq_len) + 1)
@@ -88,13 +84,16 @@ def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Token
     if kind == "byte":
         return tokenizers.ByteTokenizer()
     if kind == "char":
+        print("collecting the character tokenizer's characters from the training split", flush=True)
         return tokenizers.build_char(_all_texts(train))
     if kind == "bpe":
         wanted = int(config.model.vocab_size)
         # 256 byte tokens + merges + end-of-text: the model's size fixes the merges.
         merges = wanted - 257 if wanted > 257 else tokenizers.BPE_MERGES
-        sample = training_sample(train, int(config.data.tokenizer_train_bytes))
-        return tokenizers.train_bpe(sample, merges)
+        max_bytes = int(config.data.tokenizer_train_bytes)
+        print(f"training the BPE tokenizer ({merges} merges) on up to {max_bytes / 1e6:g} MB of the training split",
+              flush=True)
+        return tokenizers.train_bpe(training_sample(train, max_bytes), merges)
     if not os.path.isfile(kind):
         raise DataError(f"data.tokenizer={kind!r} is not 'bpe', 'byte', 'char' or an existing "
                         f"tokenizer.json file")
@@ -139,7 +138,7 @@ def _check_sizes(config: ml_collections.ConfigDict, train: TokenSplit, val: Toke
 
 
 def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
-    cache_dir = cache_dir_of(config.data)
+    cache_dir = sources.cache_dir_of(config.data)
     os.makedirs(workdir, exist_ok=True)
     splits = open_splits(config)
     tokenizer = tokenizer_for_run(config, workdir, splits.train)

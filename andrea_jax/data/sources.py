@@ -3,9 +3,10 @@
 `tfds:NAME[/CONFIG]` opens a registered dataset (downloaded and prepared on
 first use); `hf:OWNER/NAME[/CONFIG]` streams a Hugging Face dataset, as much as
 the run needs (`hf_stream.py`); `text:PATH_OR_GLOB` and `stdlib` read local
-files (`local_files.py`). Validation is the dataset's own split when it has one,
-else every k-th document, else (few documents) the last fraction of the text
-(`hf_stream.py` says how a stream holds out its own).
+files, and `url:URL` a file downloaded once into the data cache (`local_files.py`).
+Validation is the dataset's own split when it has one, else every k-th document,
+else (few documents) the last fraction of the text (`hf_stream.py` says how a
+stream holds out its own).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import importlib.util
 import inspect
 import itertools
+import os
 import re
 import socket
 import sys
@@ -28,6 +30,11 @@ from andrea_jax.data import DataError, local_files
 MIN_VAL_DOCUMENTS = 10
 # TFDS downloads from many hosts; its own bucket stands for "the internet".
 NETWORK_PROBE = ("storage.googleapis.com", 443)
+
+
+def cache_dir_of(data: ml_collections.ConfigDict) -> str:
+    """Where token caches and downloads go."""
+    return os.path.expanduser(data.cache_dir or "~/.cache/andrea_jax")
 
 
 class Documents(Protocol):
@@ -277,6 +284,9 @@ def open_source(data: ml_collections.ConfigDict, steps_tokens: int = 0) -> Split
         splits = open_local(*local_files.list_stdlib_files(), data)
     elif source.startswith("text:"):
         splits = open_local(*local_files.list_text_files(source[len("text:"):]), data)
+    elif source.startswith("url:"):
+        path = local_files.download(source[len("url:"):], cache_dir_of(data))
+        splits = open_local(*local_files.list_text_files(path), data)
     elif source.startswith("tfds:"):
         splits = open_tfds(source[len("tfds:"):], data)
     elif source.startswith("hf:"):
@@ -285,5 +295,5 @@ def open_source(data: ml_collections.ConfigDict, steps_tokens: int = 0) -> Split
         splits = hf_stream.open_hf(source[len("hf:"):], data, steps_tokens)
     else:
         raise DataError(f"data.source={source!r} is not 'tfds:NAME[/CONFIG]', "
-                        f"'hf:OWNER/NAME[/CONFIG]', 'text:PATH_OR_GLOB' or 'stdlib'")
+                        f"'hf:OWNER/NAME[/CONFIG]', 'text:PATH_OR_GLOB', 'url:URL' or 'stdlib'")
     return dataclasses.replace(splits, identity={"source": source, **splits.identity})

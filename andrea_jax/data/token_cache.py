@@ -200,7 +200,8 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
             out.flush()
             os.fsync(out.fileno())
     except BaseException:  # a failed build leaves nothing behind
-        os.remove(temporary)
+        with contextlib.suppress(FileNotFoundError):  # `open` itself may have failed
+            os.remove(temporary)
         raise
     if num_tokens == 0:
         os.remove(temporary)
@@ -262,6 +263,8 @@ def load_or_build(documents: Documents, tokenizer: Tokenizer, directory: str, sp
         cached, problem = load(directory, split, tokenizer.sha256)  # another process may have built it
         if cached is not None:
             return cached
+        tokens_path = _paths(directory, split)[0]
         if problem:
-            print(f"token cache {_paths(directory, split)[0]} is unusable ({problem}); rebuilding")
+            print(f"token cache {tokens_path} is unusable ({problem}); rebuilding")
+        print(f"encoding the {split} split into the token cache {tokens_path}", flush=True)
         return build(documents, tokenizer, directory, split, identity, progress, max_tokens)
