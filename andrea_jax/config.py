@@ -61,13 +61,19 @@ def base_config() -> ml_collections.ConfigDict:
     m.mlp_ratio = 0.0  # 0 = the MLP width is mlp_dim; else mlp_ratio × d_model (mlp_dim is then unused)
 
     c.data = d = ml_collections.ConfigDict()
-    d.source = "stdlib"  # "tfds:NAME[/CONFIG]", "text:PATH_OR_GLOB", "url:URL" (one text file) or "stdlib"
+    # "tfds:NAME[/CONFIG]", "hf:OWNER/NAME[/CONFIG]", "text:PATH_OR_GLOB", "url:URL" (one text file) or "stdlib"
+    d.source = "stdlib"
     d.tokenizer = "bpe"  # "bpe", "byte", "char" or a path to a tokenizer.json
-    d.text_field = "text"  # TFDS feature holding the document text
+    d.text_field = "text"  # TFDS feature or Hugging Face column holding the document text
     d.train_split = "train"
     d.val_split = "validation"  # used when the dataset has it
     d.val_fraction = 0.05  # held out by document when it has not
     d.tokenizer_train_bytes = 64_000_000  # bound on the BPE training sample
+    # hf: sources are streamed: training tokens to take (0 = 1.1 × steps × batch_size × (seq_len + 1)),
+    # and the documents held out for validation (of val_split if the dataset has it, else the
+    # stream's first, which training skips).
+    d.stream_tokens = 0
+    d.stream_val_documents = 4000
     d.cache_dir = ""  # token caches and url: downloads; "" = ~/.cache/andrea_jax
     d.tfds_data_dir = ""  # "" = the TFDS default (~/tensorflow_datasets)
 

@@ -110,7 +110,7 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = 
 
 def validation_split(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> TokenSplit:
     """The validation tokens of `config.data`, from the token cache (built if missing)."""
-    splits = sources.open_source(config.data)
+    splits = pipeline.open_splits(config)
     directory = token_cache.cache_directory(sources.cache_dir_of(config.data), splits.identity, tokenizer.sha256)
     return token_cache.load_or_build(splits.val, tokenizer, directory, "val", splits.identity)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from andrea_jax.config import base_config
-from andrea_jax.data import DataError, batcher, pipeline
+from andrea_jax.data import DataError, batcher, pipeline, sources
 from andrea_jax.data import tokenizer as tokenizers
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
@@ -159,6 +159,12 @@ def test_training_sample_is_bounded_and_spread_out():
     starts = [int(text[:4]) for text in sample]
     assert starts[0] == 0 and max(starts) >= 984  # reaches the last stretch
     assert pipeline.training_sample(ListDocuments(["ab", "cd"]), 1_000_000) == ["ab", "cd"]
+
+
+def test_training_sample_of_a_stream_is_its_start_and_stops_at_its_end():
+    stream = sources.StreamedDocuments(lambda: iter(["ab" * 10, "cd" * 10, "ef" * 10]))
+    assert pipeline.training_sample(stream, 30) == ["ab" * 10, "cd" * 5]
+    assert pipeline.training_sample(sources.StreamedDocuments(lambda: iter(["x", "y"])), 1000) == ["x", "y"]
 
 
 def test_shakespeare_char_recipe_runs_offline_from_a_local_copy(tmp_path):

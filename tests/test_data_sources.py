@@ -91,7 +91,25 @@ def test_unknown_tfds_name_and_bad_source_string(tmp_path):
     with pytest.raises(DataError, match="TFDS has no dataset 'no_such_dataset_xyz'"):
         sources.open_tfds("no_such_dataset_xyz", data_config(tmp_path))
     with pytest.raises(DataError, match="is not 'tfds:NAME"):
-        sources.open_source(data_config(tmp_path, source="hf:thing"))
+        sources.open_source(data_config(tmp_path, source="hub:thing"))
+
+
+def test_streamed_documents_read_in_order_and_start_again_for_an_earlier_read():
+    opened = []
+
+    def open_texts():
+        opened.append(len(opened))
+        return iter(f"t{i}" for i in range(10))
+
+    documents = sources.StreamedDocuments(open_texts, limit=8)
+    assert len(documents) == 8 and opened == []  # nothing is opened before a read
+    assert documents.read(0, 3) == ["t0", "t1", "t2"] and documents.read(3, 5) == ["t3", "t4"]
+    assert opened == [0]
+    assert documents.read(1, 2) == ["t1"] and opened == [0, 1]
+    assert documents.read(6, 20) == ["t6", "t7"]  # reads on to the start, stops at the limit
+    assert documents.furthest == 8
+    unbounded = sources.StreamedDocuments(lambda: iter(["a", "b"]))
+    assert unbounded.read(0, 5) == ["a", "b"] and unbounded.read(2, 4) == []  # a short read: the end
 
 
 def test_local_directory_splits_by_document(tmp_path):

@@ -157,6 +157,27 @@ def test_manifest_is_json_with_counts(tmp_path):
     assert manifest["dtype"] == "uint16"
 
 
+class RecordedReads(ListDocuments):
+    def read(self, start, stop):
+        self.stops.append(min(stop, len(self)))
+        return super().read(start, stop)
+
+
+def test_max_tokens_stops_the_split_there_and_reads_no_further(tmp_path):
+    documents = RecordedReads([f"doc {i} é " * (i % 9 + 1) for i in range(20_000)])
+    object.__setattr__(documents, "stops", [])
+    split = token_cache.build(documents, ByteTokenizer(), str(tmp_path), "train", IDENTITY,
+                              progress=False, max_tokens=100_000)
+    expected = [t for d in documents.texts for t in [*d.encode("utf-8"), 256]]
+    needed = int(np.searchsorted(np.cumsum([len(d.encode()) + 1 for d in documents.texts]), 100_000)) + 1
+    assert split.tokens.tolist() == expected[:100_000]
+    assert split.manifest["num_documents"] == needed and split.manifest["max_tokens"] == 100_000
+    kept = expected[:100_000]
+    assert split.num_bytes == len(kept) - kept.count(256)  # one byte a token, but the end-of-text ones
+    # 1,733 of the 20,000 documents hold the tokens; the reads go no further than a few past them.
+    assert needed <= max(documents.stops) <= needed + 16
+
+
 _SLOW_BUILD = """
 import sys, time
 sys.path.insert(0, sys.argv[1])

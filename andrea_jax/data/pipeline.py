@@ -34,19 +34,29 @@ class Prepared:
     val: TokenSplit
 
 
-def training_sample(documents: Documents, max_bytes: int) -> list[str]:
-    """About max_bytes of text from evenly spaced stretches of the documents.
+def open_splits(config: ml_collections.ConfigDict) -> sources.Splits:
+    """The documents of `config.data`; a stream sized by the tokens the run's steps read."""
+    steps_tokens = int(config.steps) * int(config.batch_size) * (int(config.seq_len) + 1)
+    return sources.open_source(config.data, steps_tokens)
 
-    A sample from the start alone would over-represent whatever sorts first.
+
+def training_sample(documents: Documents, max_bytes: int) -> list[str]:
+    """About max_bytes of text from evenly spaced stretches of the documents (a stream: its first).
+
+    A sample from the start alone would over-represent whatever sorts first; a stream has
+    no random access, and what its start holds is what the run trains on first.
     """
     total = len(documents)
-    chunks = max(1, min(_SAMPLE_CHUNKS, total))
+    streamed = isinstance(documents, sources.StreamedDocuments)
+    chunks = 1 if streamed else max(1, min(_SAMPLE_CHUNKS, total))
     per_chunk = max(1, max_bytes // chunks)
     sample = []
     for chunk in range(chunks):
         position, stop, taken = chunk * total // chunks, (chunk + 1) * total // chunks, 0
         while position < stop and taken < per_chunk:
             texts = documents.read(position, min(stop, position + _READ_DOCUMENTS))
+            if not texts:  # a stream's end
+                break
             for text in texts:
                 if taken >= per_chunk:
                     break
@@ -123,17 +133,18 @@ def _check_sizes(config: ml_collections.ConfigDict, train: TokenSplit, val: Toke
     if batcher.num_val_batches(val.num_tokens, batch_size, seq_len) < 1:
         raise DataError(
             f"the validation split has {val.num_tokens} tokens, less than one batch of "
-            f"batch_size x seq_len = {batch_size * seq_len} (+1); raise data.val_fraction, "
-            f"add text, or lower batch_size or seq_len")
+            f"batch_size x seq_len = {batch_size * seq_len} (+1); raise data.val_fraction "
+            f"(data.stream_val_documents for hf:), add text, or lower batch_size or seq_len")
 
 
 def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
     cache_dir = sources.cache_dir_of(config.data)
     os.makedirs(workdir, exist_ok=True)
-    splits = sources.open_source(config.data)
+    splits = open_splits(config)
     tokenizer = tokenizer_for_run(config, workdir, splits.train)
     directory = token_cache.cache_directory(cache_dir, splits.identity, tokenizer.sha256)
-    train = token_cache.load_or_build(splits.train, tokenizer, directory, "train", splits.identity)
+    train = token_cache.load_or_build(splits.train, tokenizer, directory, "train", splits.identity,
+                                      max_tokens=splits.train_tokens)
     val = token_cache.load_or_build(splits.val, tokenizer, directory, "val", splits.identity)
     _check_sizes(config, train, val)
     record = {"cache_directory": directory, "tokenizer_sha256": tokenizer.sha256,

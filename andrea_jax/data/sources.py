@@ -1,10 +1,12 @@
 """`data.source` -> train and validation documents.
 
 `tfds:NAME[/CONFIG]` opens a registered dataset (downloaded and prepared on
-first use); `text:PATH_OR_GLOB` and `stdlib` read local files, and `url:URL` a file
-downloaded once into the data cache (`local_files.py`).
-Validation is the dataset's own split when it has one, else every k-th
-document, else (few documents) the last fraction of the text.
+first use); `hf:OWNER/NAME[/CONFIG]` streams a Hugging Face dataset, as much as
+the run needs (`hf_stream.py`); `text:PATH_OR_GLOB` and `stdlib` read local
+files, and `url:URL` a file downloaded once into the data cache (`local_files.py`).
+Validation is the dataset's own split when it has one, else every k-th document,
+else (few documents) the last fraction of the text (`hf_stream.py` says how a
+stream holds out its own).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import itertools
 import os
 import re
 import socket
 import sys
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import ml_collections
 import tensorflow_datasets as tfds
@@ -35,7 +38,8 @@ def cache_dir_of(data: ml_collections.ConfigDict) -> str:
 
 
 class Documents(Protocol):
-    """A split's documents, random access."""
+    """A split's documents, random access; a stream's (`StreamedDocuments`) are read in order, and
+    its length is only a bound: a read that returns fewer documents than asked is its end."""
 
     def __len__(self) -> int: ...
 
@@ -90,6 +94,29 @@ class ListDocuments:
         return list(self.texts[start:stop])
 
 
+class StreamedDocuments:
+    """Documents read in order from a stream that `open_texts` starts (again, for a read before
+    the last one's end). Its length is a bound: `limit`, else unknown."""
+
+    def __init__(self, open_texts: Callable[[], Iterator[str]], limit: int = sys.maxsize) -> None:
+        self.open_texts, self.limit = open_texts, limit
+        self._texts: Iterator[str] | None = None
+        self._position = 0
+        self.furthest = 0  # documents read from the start, by the pass that went furthest
+
+    def __len__(self) -> int:
+        return self.limit
+
+    def read(self, start: int, stop: int) -> list[str]:
+        if self._texts is None or start < self._position:
+            self._texts, self._position = self.open_texts(), 0
+        skip, count = start - self._position, max(0, min(stop, self.limit) - start)
+        texts = list(itertools.islice(self._texts, skip, skip + count))
+        self._position += skip + len(texts)
+        self.furthest = max(self.furthest, self._position)
+        return texts
+
+
 @dataclasses.dataclass(frozen=True)
 class Splits:
     train: Documents
@@ -97,11 +124,12 @@ class Splits:
     # What the documents are (dataset, version or file fingerprint, split rule):
     # keys the token caches, so a changed source builds new ones.
     identity: dict
+    train_tokens: int = 0  # the training tokens to take (a stream's budget; 0 = all of them)
 
 
-def network_available(timeout_s: float = 3.0) -> bool:
+def network_available(timeout_s: float = 3.0, address: tuple[str, int] = NETWORK_PROBE) -> bool:
     try:
-        socket.create_connection(NETWORK_PROBE, timeout=timeout_s).close()
+        socket.create_connection(address, timeout=timeout_s).close()
         return True
     except OSError:
         return False
@@ -250,8 +278,8 @@ def open_local(root: str, files: Sequence[str], data: ml_collections.ConfigDict)
     return _check_not_empty(Splits(train, val, identity), f"{len(files)} files under {root}")
 
 
-def open_source(data: ml_collections.ConfigDict) -> Splits:
-    """The documents `data.source` names."""
+def open_source(data: ml_collections.ConfigDict, steps_tokens: int = 0) -> Splits:
+    """The documents `data.source` names; `steps_tokens` (the tokens the run's steps read) sizes a stream."""
     source = str(data.source)
     if source == "stdlib":
         splits = open_local(*local_files.list_stdlib_files(), data)
@@ -262,7 +290,11 @@ def open_source(data: ml_collections.ConfigDict) -> Splits:
         splits = open_local(*local_files.list_text_files(path), data)
     elif source.startswith("tfds:"):
         splits = open_tfds(source[len("tfds:"):], data)
+    elif source.startswith("hf:"):
+        from andrea_jax.data import hf_stream  # it builds on this module
+
+        splits = hf_stream.open_hf(source[len("hf:"):], data, steps_tokens)
     else:
         raise DataError(f"data.source={source!r} is not 'tfds:NAME[/CONFIG]', "
-                        f"'text:PATH_OR_GLOB', 'url:URL' or 'stdlib'")
+                        f"'hf:OWNER/NAME[/CONFIG]', 'text:PATH_OR_GLOB', 'url:URL' or 'stdlib'")
     return dataclasses.replace(splits, identity={"source": source, **splits.identity})

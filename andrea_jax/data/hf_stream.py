@@ -1,0 +1,132 @@
+"""`hf:OWNER/NAME[/CONFIG]`: a Hugging Face dataset, streamed with `datasets.load_dataset(..., streaming=True)`.
+
+The dataset's files are read in order and only as far as the run tokenizes, so a run
+downloads about what it uses. Training takes `data.stream_tokens` tokens, 0 meaning
+STREAM_MARGIN × the steps × batch_size × (seq_len + 1) tokens its steps read; the token
+cache stops there, and the amount is part of its key. Validation is the first
+`data.stream_val_documents` documents of the dataset's `data.val_split` when it has one,
+else the first documents of the training split, which training then skips: no document is
+in both. The BPE sample is the first `data.tokenizer_train_bytes` of the training text.
+Nothing is opened before a cache needs building, so a resume whose caches exist reads nothing.
+
+`hf:DIRECTORY` streams local JSON Lines or Parquet files through the same call, offline
+(`load_dataset` takes the splits from the file names: `train.jsonl`, `validation.jsonl`, ...).
+"""
+
+from __future__ import annotations
+
+import fractions
+import functools
+import math
+import os
+import urllib.parse
+from typing import Callable, Iterator
+
+import ml_collections
+
+from andrea_jax.data import DataError, local_files, sources
+
+# The steps draw their windows at random over the cache: with a tenth more text than they
+# read, a token is drawn about 0.9 times on average rather than once.
+STREAM_MARGIN = fractions.Fraction(11, 10)
+DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+def load_arguments(name: str) -> dict:
+    """`load_dataset` arguments for `hf:NAME`: a local directory, or a hub OWNER/NAME[/CONFIG]."""
+    path = os.path.abspath(os.path.expanduser(name))
+    if os.path.isdir(path):
+        return {"path": path}
+    parts = name.split("/")
+    if name.startswith(("/", ".", "~")) or len(parts) not in (2, 3) or not all(parts):
+        raise DataError(f"data.source='hf:{name}' is neither a directory nor hf:OWNER/NAME[/CONFIG] "
+                        f"(such as hf:HuggingFaceFW/fineweb-edu/sample-10BT)")
+    return {"path": "/".join(parts[:2]), **({"name": parts[2]} if len(parts) == 3 else {})}
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub (HF_ENDPOINT, else huggingface.co) takes a connection within timeout_s."""
+    endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT)
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    return sources.network_available(timeout_s, (endpoint.hostname or "", port))
+
+
+def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> sources.Splits:
+    """The streamed splits of `hf:NAME`; a hub dataset only once the hub answers."""
+    arguments = load_arguments(name)
+    local = os.path.isdir(arguments["path"])
+    return open_stream(arguments, data, steps_tokens, network_check=None if local else hub_reachable)
+
+
+def _load(arguments: dict, described: str, network_check: Callable[[], bool] | None):
+    if network_check is not None:
+        if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+            raise DataError(f"HF_HUB_OFFLINE is set, and {described} streams from the hub; unset it, "
+                            f"or use data.source='tfds:...', 'text:PATH' or 'stdlib'")
+        if not network_check():
+            raise DataError(f"the Hugging Face hub is unreachable, and {described} streams from it; "
+                            f"run online, or use data.source='tfds:...', 'text:PATH' or 'stdlib'")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{described} needs the datasets package; pip install -r requirements.txt") from None
+    try:
+        return datasets.load_dataset(**arguments, streaming=True)
+    except Exception as error:  # many types (not found, gated, bad config, connection) for one cause
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise DataError(f"cannot open {described} ({reason[:300]}); check data.source="
+                        f"'hf:OWNER/NAME[/CONFIG]' against the dataset's page") from None
+
+
+def open_stream(arguments: dict, data: ml_collections.ConfigDict, steps_tokens: int,
+                network_check: Callable[[], bool] | None = None) -> sources.Splits:
+    """Train and validation documents of `datasets.load_dataset(**arguments, streaming=True)`, opened
+    at the first read; network_check, when given, must pass before the dataset is opened."""
+    field, train_split, val_split = str(data.text_field), str(data.train_split), str(data.val_split)
+    val_documents, stream_tokens = int(data.stream_val_documents), int(data.stream_tokens)
+    if val_documents < 1:
+        raise DataError(f"data.stream_val_documents={val_documents} must be at least 1")
+    if stream_tokens < 0:
+        raise DataError(f"data.stream_tokens={stream_tokens} must be >= 0 (0 = {float(STREAM_MARGIN)} "
+                        f"× the tokens the run's steps read)")
+    train_tokens = stream_tokens or math.ceil(STREAM_MARGIN * steps_tokens)
+    if train_tokens < 1:
+        raise DataError("a streamed source needs a size: set data.stream_tokens")
+    described = f"Hugging Face dataset {'/'.join(str(a) for a in arguments.values())}"
+
+    @functools.cache
+    def dataset():
+        return _load(arguments, described, network_check)
+
+    def texts(part: str) -> Iterator[str]:
+        splits = dataset()
+        if train_split not in splits:
+            raise DataError(f"{described} has no split {train_split!r}; set data.train_split to one "
+                            f"of {sorted(splits)}")
+        own_val = val_split in splits
+        if part == "val":
+            stream = splits[val_split if own_val else train_split]
+        else:
+            stream = splits[train_split] if own_val else splits[train_split].skip(val_documents)
+        if stream.features is not None and field not in stream.features:
+            raise DataError(f"{described} has no field {field!r}; set data.text_field to one of "
+                            f"{sorted(stream.features)}")
+        for record in stream.select_columns([field]) if stream.features is not None else stream:
+            if field not in record:
+                raise DataError(f"{described} has a record without the field {field!r}; set "
+                                f"data.text_field to one of {sorted(record)}")
+            text = record[field]
+            yield "" if text is None else str(text)
+
+    identity = {"dataset": arguments, "field": field, "train_split": train_split,
+                "val_rule": f"the first {val_documents} documents of split {val_split!r} if the dataset "
+                            f"has it, else of {train_split!r}, which training skips",
+                "train_tokens": train_tokens}
+    if os.path.isdir(arguments["path"]):  # local files: their names, sizes and times are part of the key
+        root = arguments["path"]
+        files = sorted(os.path.join(d, n) for d, _, names in os.walk(root) for n in names
+                       if not n.startswith("."))
+        identity["files"] = local_files.fingerprint(root, files)
+    return sources.Splits(sources.StreamedDocuments(lambda: texts("train")),
+                          sources.StreamedDocuments(lambda: texts("val"), limit=val_documents),
+                          identity, train_tokens=train_tokens)

@@ -1,0 +1,180 @@
+"""hf: sources, streamed through `datasets.load_dataset(..., streaming=True)` from local
+JSON Lines and Parquet directories (the hub's path, offline), and the hub's failure offline."""
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from andrea_jax import evaluate
+from andrea_jax.config import base_config
+from andrea_jax.data import DataError, hf_stream, pipeline, token_cache
+from andrea_jax.data.tokenizer import ByteTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = [f"document {i}: " + "word " * (i % 5 + 3) for i in range(2000)]
+FINEWEB = "hf:HuggingFaceFW/fineweb-edu/sample-10BT"
+
+
+def write_jsonl(path, texts, field="text"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({field: text, "id": i}) + "\n")
+    return path.parent
+
+
+def byte_tokens(texts):
+    """What the byte tokenizer's cache holds for these documents: their bytes, 256 after each."""
+    return [t for text in texts for t in [*text.encode("utf-8"), 256]]
+
+
+def make_config(tmp_path, source, **data):
+    config = base_config()
+    config.steps, config.batch_size, config.seq_len = 10, 4, 32  # the steps read 10 × 4 × 33 = 1320 tokens
+    config.model.vocab_size = 0
+    config.data.update(source=source, tokenizer="byte", cache_dir=str(tmp_path / "cache"),
+                       stream_val_documents=20)
+    config.data.update(data)
+    return config
+
+
+def test_source_names():
+    assert hf_stream.load_arguments("HuggingFaceFW/fineweb-edu/sample-10BT") == {
+        "path": "HuggingFaceFW/fineweb-edu", "name": "sample-10BT"}
+    assert hf_stream.load_arguments("roneneldan/TinyStories") == {"path": "roneneldan/TinyStories"}
+    for bad in ("fineweb", "a/b/c/d", "owner//name", "/no/such/directory"):
+        with pytest.raises(DataError, match="neither a directory nor hf:OWNER/NAME"):
+            hf_stream.load_arguments(bad)
+
+
+def test_training_takes_the_tokens_asked_for_and_reads_no_further(tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
+    splits = pipeline.open_splits(make_config(tmp_path, f"hf:{corpus}"))
+    assert splits.train_tokens == 1452  # 1.1 × 1320
+    train = token_cache.build(splits.train, ByteTokenizer(), str(tmp_path / "c"), "train", splits.identity,
+                              progress=False, max_tokens=splits.train_tokens)
+    # Training starts after the 20 held-out documents and stops at exactly 1452 tokens,
+    # inside the document that crosses them.
+    assert train.tokens.tolist() == byte_tokens(DOCS[20:])[:1452]
+    ends = np.cumsum([len(d) + 1 for d in DOCS[20:]])
+    needed = int(np.searchsorted(ends, 1452)) + 1
+    assert train.manifest["num_documents"] == needed == 38
+    cut = 1452 - int(ends[needed - 2])
+    assert train.num_bytes == int(ends[needed - 2]) - (needed - 1) + cut  # the cut document counts its kept bytes
+    # Of 1980 training documents the stream gave up only those (and a read-ahead of a few).
+    assert needed <= splits.train.furthest <= needed + 4
+
+
+def test_held_out_validation_is_the_stream_start_and_never_reaches_training(tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
+    splits = pipeline.open_splits(make_config(tmp_path, f"hf:{corpus}"))
+    assert splits.val.read(0, 100) == DOCS[:20]
+    assert splits.train.read(0, 3) == DOCS[20:23]
+    sample = pipeline.training_sample(splits.train, 2000)  # the BPE's sample: training text only
+    assert sample[0] == DOCS[20] and not set(sample) & set(DOCS[:20])
+    prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}"), str(tmp_path / "run"))
+    assert prepared.val.tokens.tolist() == byte_tokens(DOCS[:20])
+    assert prepared.train.tokens[:len(DOCS[20]) + 1].tolist() == byte_tokens(DOCS[20:21])
+
+
+def test_the_dataset_own_validation_split_is_used(tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS[:200])
+    val_docs = [f"validation text {i}" for i in range(50)]
+    write_jsonl(corpus / "validation.jsonl", val_docs)
+    splits = pipeline.open_splits(make_config(tmp_path, f"hf:{corpus}"))
+    assert splits.val.read(0, 100) == val_docs[:20]  # its first stream_val_documents
+    assert splits.train.read(0, 3) == DOCS[:3]  # nothing of train is held out
+
+
+def test_a_second_prepare_reuses_the_cache_without_reading_the_stream(tmp_path, monkeypatch):
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
+    config = make_config(tmp_path, f"hf:{corpus}", tokenizer="bpe", tokenizer_train_bytes=20_000)
+    workdir = str(tmp_path / "run")
+    first = pipeline.prepare(config, workdir)
+    assert first.train.num_tokens == 1452 and first.train.manifest["max_tokens"] == 1452
+    modified = os.path.getmtime(first.train.path)
+
+    def no_reading(*args):
+        raise AssertionError("the dataset was opened again")
+
+    monkeypatch.setattr(hf_stream, "_load", no_reading)
+    again = pipeline.prepare(config, workdir)
+    assert (again.train.path, again.val.path) == (first.train.path, first.val.path)
+    assert os.path.getmtime(again.train.path) == modified
+    np.testing.assert_array_equal(again.train.tokens, first.train.tokens)
+    np.testing.assert_array_equal(again.val.tokens, first.val.tokens)
+    assert evaluate.validation_split(config, first.tokenizer).path == first.val.path  # eval.py's, too
+
+    # Another amount is another cache: the key holds how much was taken.
+    monkeypatch.undo()
+    config.data.stream_tokens = 1000
+    fewer = pipeline.prepare(config, workdir)
+    assert os.path.dirname(fewer.train.path) != os.path.dirname(first.train.path)
+    np.testing.assert_array_equal(fewer.train.tokens, first.train.tokens[:1000])
+
+
+def test_the_text_field_is_configurable_on_parquet(tmp_path):
+    corpus = tmp_path / "parquet"
+    corpus.mkdir()
+    pq.write_table(pa.table({"content": DOCS[:300], "id": list(range(300))}), corpus / "train.parquet")
+    with pytest.raises(DataError, match=r"has no field 'text'; set data.text_field to one of \['content', 'id'\]"):
+        pipeline.prepare(make_config(tmp_path, f"hf:{corpus}"), str(tmp_path / "run"))
+    assert glob.glob(str(tmp_path / "cache" / "**" / "*.bin*"), recursive=True) == []
+    prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", text_field="content"), str(tmp_path / "run"))
+    assert prepared.val.tokens.tolist() == byte_tokens(DOCS[:20])
+    assert prepared.train.tokens.tolist() == byte_tokens(DOCS[20:])[:1452]
+
+
+def assert_fails_fast_with_one_line(tmp_path, message):
+    config = make_config(tmp_path, FINEWEB, tokenizer="bpe")
+    started = time.perf_counter()
+    with pytest.raises(DataError, match=message) as error:
+        pipeline.prepare(config, str(tmp_path / "run"))
+    assert time.perf_counter() - started < 5
+    assert "\n" not in str(error.value) and "data.source" in str(error.value)
+    assert not os.path.exists(tmp_path / "run" / "tokenizer.json") and not os.path.exists(tmp_path / "cache")
+
+
+def test_a_hub_that_refuses_connections_fails_in_seconds(tmp_path, monkeypatch):
+    with socket.socket() as unused:  # bound, never listening: connections to it are refused
+        unused.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{unused.getsockname()[1]}")
+        assert_fails_fast_with_one_line(tmp_path, "the Hugging Face hub is unreachable")
+
+
+def test_hf_hub_offline_fails_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert_fails_fast_with_one_line(tmp_path, "HF_HUB_OFFLINE is set")
+
+
+offline_only = pytest.mark.skipif(hf_stream.hub_reachable(), reason="the hub is reachable from here")
+
+
+@offline_only
+def test_offline_the_real_hub_fails_in_seconds(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert_fails_fast_with_one_line(tmp_path, "the Hugging Face hub is unreachable")
+
+
+@offline_only
+def test_offline_train_py_stops_with_one_line_and_writes_no_data(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_ENDPOINT", "HF_HUB_OFFLINE")}
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/andrea120m.py", f"--config.data.source={FINEWEB}",
+         "--workdir", str(tmp_path / "run"), f"--config.data.cache_dir={tmp_path / 'cache'}"],
+        capture_output=True, text=True, timeout=300, env=dict(env, JAX_PLATFORMS="cpu", XLA_FLAGS=""), cwd=ROOT)
+    assert result.returncode == 2
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        line for line in result.stderr.splitlines() if line.strip()], result.stderr[-2000:]
+    assert "the Hugging Face hub is unreachable" in result.stderr
+    assert not os.path.exists(tmp_path / "run" / "tokenizer.json") and not os.path.exists(tmp_path / "cache")
