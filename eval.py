@@ -13,7 +13,7 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from andrea_jax import cli  # the multi-process flags, shared with train.py
+from andrea_jax.runtime import cli  # the multi-process flags, shared with train.py
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by train.py")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest)")
@@ -51,7 +51,7 @@ def _define_config_flag(argv: list[str]) -> None:
         config_flags.DEFINE_config_file("config", None, "Config file replacing the run's config.json",
                                         lock_config=False)
         return
-    from andrea_jax import workdir as run_dir
+    from andrea_jax import run_dir
     from andrea_jax.config import ConfigError
     import ml_collections
     try:
@@ -87,10 +87,10 @@ def _check_flags() -> str | None:
 
 def _hellaswag_rows(restored, leader: bool):
     """(source, the token rows of the HellaSwag examples to score): --hellaswag_source, else the config's."""
-    from andrea_jax import hellaswag
+    from andrea_jax.tools import hellaswag
     from andrea_jax.config import hellaswag_source_problem
     from andrea_jax.data import DataError
-    from andrea_jax.leader_first import leader_first
+    from andrea_jax.runtime.leader_first import leader_first
     source = _HELLASWAG_SOURCE.value or str(restored.config.hellaswag.source)
     problem = hellaswag_source_problem(source)
     if problem:
@@ -114,10 +114,11 @@ def main(argv):
         sys.exit(2)
 
     import jax
-    from andrea_jax import checkpoint, distributed, evaluate
+    from andrea_jax import checkpoint, evaluate
+    from andrea_jax.runtime import distributed
     from andrea_jax.config import ConfigError
     from andrea_jax.data import DataError
-    from andrea_jax.leader_first import leader_first
+    from andrea_jax.runtime.leader_first import leader_first
     try:
         distributed.initialize(cli.COORDINATOR.value, cli.NUM_PROCESSES.value, cli.PROCESS_ID.value,
                                cli.DISTRIBUTED_TIMEOUT.value)
@@ -133,7 +134,7 @@ def main(argv):
         source, rows = _hellaswag_rows(restored, leader) if _HELLASWAG.value else (None, None)
         report = evaluate.score(restored, split, batches)
         if _HELLASWAG.value:
-            from andrea_jax import hellaswag
+            from andrea_jax.tools import hellaswag
             report["hellaswag"] = {"source": source, **hellaswag.score_on_mesh(restored.params, rows,
                                                                                   restored.config, restored.mesh)}
         # Every process takes part in each computation (scoring, sampling); the leader reports.
@@ -157,7 +158,7 @@ def main(argv):
                   f"seed {_SEED.value}) ---")
             say(_PROMPT.value + text, flush=True)
         if _TRACE.value is not None:
-            from andrea_jax import logit_lens
+            from andrea_jax.tools import logit_lens
             png = os.path.join(workdir, f"trace_step{report['step']}.png") if leader else None
             try:
                 with jax.set_mesh(restored.mesh):
@@ -168,7 +169,7 @@ def main(argv):
             say(table)
             say(f"wrote {png}", flush=True)
         if _PLOT.value and leader:
-            from andrea_jax import plotting
+            from andrea_jax.tools import plotting
             try:
                 say(f"wrote {plotting.plot_run(workdir)}", flush=True)
             except ValueError as error:  # no training records yet

@@ -8,7 +8,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from andrea_jax import cli
+from andrea_jax.runtime import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py", lock_config=False)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>)")

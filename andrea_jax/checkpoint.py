@@ -22,8 +22,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from andrea_jax import atomic
-from andrea_jax.workdir import PROJECT
+from andrea_jax.runtime import atomic
+from andrea_jax.run_dir import PROJECT
 
 FORMAT_VERSION = 1
 UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir, next to checkpoints/

@@ -21,8 +21,10 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from andrea_jax import atomic, checkpoint, model, resolve, sampling, sharding, train_step
-from andrea_jax import workdir as run_dir
+from andrea_jax import checkpoint, model, resolve, sharding, train_step
+from andrea_jax.runtime import atomic
+from andrea_jax.tools import sampling
+from andrea_jax import run_dir
 from andrea_jax.config import ConfigError, validate
 from andrea_jax.data import batcher, pipeline, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
-from andrea_jax import atomic
+from andrea_jax.runtime import atomic
 
 _LENGTH = struct.Struct("<Q")
 _HEADER = _LENGTH.size + 4  # the length and its CRC

@@ -13,7 +13,8 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
-from andrea_jax import atomic, event_files
+from andrea_jax import event_files
+from andrea_jax.runtime import atomic
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -21,13 +21,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import (checkpoint, evaluate, fit, flops, hellaswag, loss_scale, metrics, optimizer, resolve,
-                        sharding, summary, train_step)
-from andrea_jax import workdir as run_dir
+from andrea_jax import (checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, resolve, sharding,
+                        train_step)
+from andrea_jax.tools import hellaswag
+from andrea_jax.tools import parameter_table
+from andrea_jax import run_dir
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
 from andrea_jax.data import tokenizer as tokenizers
-from andrea_jax.leader_first import leader_first
+from andrea_jax.runtime.leader_first import leader_first
 
 
 class TrainingStopped(RuntimeError):
@@ -128,7 +130,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
     axis_rules = sharding.rules(config)
     peak, peak_source = flops.peak_flops(config)
     if leader:
-        print(summary.format_table(config.model))
+        print(parameter_table.format_table(config.model))
         mfu = f"no MFU: {peak_source}"
         if peak is not None:
             mfu = (f"MFU in the nanoGPT/PaLM convention ({flops.flops_per_token(config.model, config.seq_len) / 1e6:.1f}"

@@ -30,7 +30,8 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from andrea_jax import diagnostics, logit_lens, model, optimizer, sharding, summary, train_step  # noqa: E402
+from andrea_jax import diagnostics, model, optimizer, sharding, train_step  # noqa: E402
+from andrea_jax.tools import logit_lens, parameter_table
 from andrea_jax.config import base_config, validate  # noqa: E402
 from andrea_jax.data import batcher, pipeline  # noqa: E402
 from configs import shakespeare_char  # noqa: E402
@@ -109,7 +110,7 @@ def train_variant(config, prepared, eval_every: int, eval_batches: int) -> dict:
                 record["val"].append((step + 1, validate_now(state["params"])))
         record["diag_last"] = {k: float(v) for k, v in metrics.items() if k.startswith(diagnostics.PREFIX)}
         record["seconds"] = time.perf_counter() - start
-        record["params"] = summary.count(state["params"])
+        record["params"] = parameter_table.count(state["params"])
         if record["diverged_at"] is None:
             ids = prepared.tokenizer.encode(LENS_TEXT)[-config.model.max_len:]
             lens = logit_lens.logit_lens(state["params"], config.model, ids)

@@ -29,7 +29,8 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from andrea_jax import attention, hellaswag, model, precision, sharding  # noqa: E402
+from andrea_jax import attention, model, precision, sharding  # noqa: E402
+from andrea_jax.tools import hellaswag
 from andrea_jax.config import validate  # noqa: E402
 
 CONTEXT_TOKENS, ENDING_TOKENS = (100, 30), (30, 10)  # mean, standard deviation

@@ -165,8 +165,9 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
     global jax, flops, harness
     import jax
-    from andrea_jax import flops, host_memory
-    # As train.py runs (andrea_jax/cli.py); bench/torch_worker.py sets the same for PyTorch.
+    from andrea_jax import flops
+    from andrea_jax.runtime import host_memory
+    # As train.py runs (andrea_jax/runtime/cli.py); bench/torch_worker.py sets the same for PyTorch.
     host_memory.keep_freed_memory()
     from bench import harness
     print(harness.header("python bench/bench_step.py " + " ".join(sys.argv[1:])), flush=True)

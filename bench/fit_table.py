@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from andrea_jax import compile_check, targets  # noqa: E402
+from andrea_jax.compile import check, targets  # noqa: E402
 from andrea_jax.config import ConfigError  # noqa: E402
 from configs import andrea120m  # noqa: E402
 
@@ -30,10 +30,10 @@ def row(name: str) -> str:
     start = time.perf_counter()
     target = targets.named(name)
     try:
-        steps = compile_check.compiled_for(andrea120m.get_config(), target, report=lambda line: None)
+        steps = check.compiled_for(andrea120m.get_config(), target, report=lambda line: None)
     except ConfigError as error:
         return f"| {name} | {len(target.devices)} | | | | | does not fit: {error} | | |"
-    cost = compile_check.step_cost(steps, target)
+    cost = check.step_cost(steps, target)
     roofline = f"{cost.roofline_seconds * 1e3:.0f} ms, MFU ≤ {100 * cost.mfu_bound:.0f}%" if cost.mfu_bound else "no peak known"
     c = steps.config
     return (f"| {name} | {len(target.devices)} ({target.num_hosts} host{'s' if target.num_hosts > 1 else ''}) | "

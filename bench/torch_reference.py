@@ -7,7 +7,7 @@ matrices only (and on the tied embedding when the config says so), global-norm
 clipping and the warmup + cosine schedule of andrea_jax/optimizer.py.
 
 Parameter names follow Hugging Face's GPT2LMHeadModel, so the state dict of
-`andrea_jax.interop.to_gpt2` loads directly (Conv1D weights are (in, out);
+`andrea_jax.gpt2.interop.to_gpt2` loads directly (Conv1D weights are (in, out);
 nn.Linear keeps (out, in), so they are transposed on the way in).
 
     python bench/torch_reference.py   # a few timed steps of the mid-size model
@@ -100,7 +100,7 @@ class Transformer(nn.Module):
         return logits
 
     def gpt2_state_dict(self) -> dict[str, np.ndarray]:
-        """This model's weights in the GPT2LMHeadModel layout (for andrea_jax.interop.from_gpt2)."""
+        """This model's weights in the GPT2LMHeadModel layout (for andrea_jax.gpt2.interop.from_gpt2)."""
         wte = self.wte.weight.detach().numpy()[: self.vocab_size]
         sd = {"transformer.wte.weight": wte, "lm_head.weight": wte,
               "transformer.wpe.weight": self.wpe.weight.detach().numpy(),
@@ -115,7 +115,7 @@ class Transformer(nn.Module):
         return {k: np.array(v, dtype=np.float32) for k, v in sd.items()}
 
     def load_gpt2(self, sd: Mapping[str, np.ndarray]) -> None:
-        """Loads a GPT2LMHeadModel-layout state dict (e.g. from andrea_jax.interop.to_gpt2)."""
+        """Loads a GPT2LMHeadModel-layout state dict (e.g. from andrea_jax.gpt2.interop.to_gpt2)."""
         t = lambda a: torch.tensor(np.asarray(a), dtype=torch.float32)  # noqa: E731 (a copy)
         with torch.no_grad():
             wte = sd["transformer.wte.weight"]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from andrea_jax import host_memory  # noqa: E402 (imports no jax)
+from andrea_jax.runtime import host_memory  # noqa: E402 (imports no jax)
 from bench import synthetic, torch_reference  # noqa: E402
 
 

@@ -10,8 +10,10 @@ import ml_collections
 import numpy as np
 import pytest
 
-from andrea_jax import interop, model, sampling, summary
-from andrea_jax import workdir as run_dir
+from andrea_jax import model
+from andrea_jax.gpt2 import interop
+from andrea_jax.tools import parameter_table, sampling
+from andrea_jax import run_dir
 from andrea_jax.config import ConfigError, base_config, validate, validate_model
 from tests.test_model import forward, init, np_forward, np_gelu_tanh, np_layer_norm, small_model
 
@@ -132,7 +134,7 @@ def test_parameter_counts_of_the_full_size_variants():
     def total(**overrides):
         m = base_config().model
         m.update(overrides)
-        return summary.count(summary.param_shapes(m))
+        return parameter_table.count(parameter_table.param_shapes(m))
 
     assert total() == ANDREA_PARAMS
     for same in (dict(norm_position="post"), dict(residual=False), dict(activation="relu"),
@@ -149,12 +151,12 @@ def test_parameter_counts_of_the_full_size_variants():
 def test_swiglu_has_gate_up_and_down_projections_of_two_thirds_width():
     m = base_config().model
     m.activation = "swiglu"
-    mlp = summary.param_shapes(m)["block_0"]["mlp"]
+    mlp = parameter_table.param_shapes(m)["block_0"]["mlp"]
     assert {k: v.shape for k, v in mlp.items()} == {
         "fc_kernel": (768, 2048), "fc_bias": (2048,), "gate_kernel": (768, 2048), "gate_bias": (2048,),
         "proj_kernel": (2048, 768), "proj_bias": (768,)}
     m.scan_layers = True
-    assert summary.param_shapes(m)["blocks"]["block"]["mlp"]["gate_kernel"].shape == (12, 768, 2048)
+    assert parameter_table.param_shapes(m)["blocks"]["block"]["mlp"]["gate_kernel"].shape == (12, 768, 2048)
 
 
 @pytest.mark.parametrize("d_model, mlp_dim, ratio, activation, width", [
@@ -277,4 +279,4 @@ def test_a_config_saved_before_the_switches_existed_still_builds_the_default(tmp
     old = run_dir.load_saved_config(str(tmp_path)).model  # read over the defaults: the one place they live
     validate_model(old)
     assert model.mlp_hidden_dim(old) == 3072 and model.non_gpt2_features(old) == []
-    assert summary.count(summary.param_shapes(old)) == ANDREA_PARAMS
+    assert parameter_table.count(parameter_table.param_shapes(old)) == ANDREA_PARAMS

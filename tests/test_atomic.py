@@ -13,7 +13,8 @@ import textwrap
 
 import pytest
 
-from andrea_jax import atomic, metrics
+from andrea_jax import metrics
+from andrea_jax.runtime import atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,7 +94,7 @@ def test_a_checkpoint_the_disk_cannot_hold_stops_in_one_line_and_the_last_one_re
 @needs_small_disk
 def test_the_token_cache_and_the_tokenizer_on_a_full_disk(tmp_path):
     result = on_small_disk(tmp_path, "64k", """
-        from andrea_jax import atomic
+        from andrea_jax.runtime import atomic
         from andrea_jax.data import token_cache
         from andrea_jax.data.sources import ListDocuments
         from andrea_jax.data.tokenizer import ByteTokenizer, CharTokenizer

@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from andrea_jax import interop, optimizer, train_step  # noqa: E402
+from andrea_jax import optimizer, train_step  # noqa: E402
+from andrea_jax.gpt2 import interop
 from andrea_jax.config import base_config  # noqa: E402
 from bench import torch_reference  # noqa: E402
 

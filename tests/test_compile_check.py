@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from andrea_jax import compile_check, fit, targets
+from andrea_jax import fit
+from andrea_jax.compile import check, targets
 from andrea_jax.config import ConfigError
 from configs import andrea120m
 
@@ -29,7 +30,7 @@ def fitted(topology, **overrides):
     config = andrea120m.get_config()
     config.update_from_flattened_dict(overrides)
     target = targets.named(topology)
-    steps = compile_check.compiled_for(config, target, report=lines.append)
+    steps = check.compiled_for(config, target, report=lines.append)
     return steps, target, lines
 
 
@@ -50,7 +51,7 @@ def test_andrea120m_as_typed_fits_one_colab_tpu_by_itself_in_one_microbatch(topo
     # With the splash kernel and bf16 activations (libtpu 0.0.42) both take the whole batch at once.
     assert steps.config.microbatches == 1
     assert_fits_with_the_fewest(steps, target, lines)
-    cost = compile_check.step_cost(steps, target)
+    cost = check.step_cost(steps, target)
     assert cost.mfu_bound >= {"v5e-1": 0.85, "v6e-1": 0.5}[topology]
 
 
@@ -80,7 +81,7 @@ def test_slice_names_map_to_the_chips_and_hosts_of_cloud_tpu():
 
 
 def test_the_command_refuses_an_unknown_topology_with_one_line():
-    result = subprocess.run([sys.executable, "-m", "andrea_jax.compile_check", "--config", "configs/andrea120m.py",
+    result = subprocess.run([sys.executable, "-m", "andrea_jax.compile.check", "--config", "configs/andrea120m.py",
                              "--topology", "v5e-3"], capture_output=True, text=True, cwd=ROOT,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert result.returncode == 2
@@ -108,9 +109,9 @@ def test_andrea120m_as_typed_fits_each_colab_gpu_by_itself(gpu):
         assert hlo.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') == 12
         assert not re.search(r"\[32,12,1024,1024\]", hlo)
     if gpu == "h100":
-        cost = compile_check.step_cost(steps, target)
+        cost = check.step_cost(steps, target)
         assert cost.mfu_bound >= 0.6
-        assert "MFU can be at most" in compile_check.describe(steps, target)
+        assert "MFU can be at most" in check.describe(steps, target)
 
 
 def tiny_step_for(devices_or_topology, **overrides):
@@ -119,9 +120,9 @@ def tiny_step_for(devices_or_topology, **overrides):
                                        "model.vocab_size": 256, "model.dtype": "bfloat16", "batch_size": 2,
                                        "seq_len": 256, "microbatches": 1, "model.attention": "xla", **overrides})
     if isinstance(devices_or_topology, str):
-        return compile_check.compiled_for(config, targets.named(devices_or_topology), report=lambda line: None)
+        return check.compiled_for(config, targets.named(devices_or_topology), report=lambda line: None)
     target = targets.Target("cpu", devices_or_topology, 2 ** 40, "host", 1)
-    return compile_check.compiled_for(config, target, report=lambda line: None)
+    return check.compiled_for(config, target, report=lambda line: None)
 
 
 @needs_libtpu

@@ -7,7 +7,9 @@ import numpy as np
 import optax
 import pytest
 
-from andrea_jax import diagnostics, interop, logit_lens, model, optimizer, sharding, train_step
+from andrea_jax import diagnostics, model, optimizer, sharding, train_step
+from andrea_jax.gpt2 import interop
+from andrea_jax.tools import logit_lens
 from andrea_jax.config import base_config
 from andrea_jax.data import tokenizer as tokenizers
 from tests.test_ablations import np_forward_variant, np_rms_norm

@@ -42,7 +42,7 @@ def test_a_cpu_has_no_peak_and_so_no_mfu():
 @pytest.mark.parametrize("variant", [dict(activation="swiglu"), dict(mlp_ratio=2.0), dict(mlp_ratio=8.0),
                                      dict(activation="relu")])
 def test_six_n_counts_every_parameter_of_the_variants(variant):
-    from andrea_jax import summary
+    from andrea_jax.tools import parameter_table
     m = base_config().model
     m.update(dict(n_layer=2, d_model=128, n_head=4, mlp_dim=512, vocab_size=101, max_len=64, **variant))
-    assert flops.non_embedding_params(m) == summary.count(summary.param_shapes(m)) - 64 * 128
+    assert flops.non_embedding_params(m) == parameter_table.count(parameter_table.param_shapes(m)) - 64 * 128

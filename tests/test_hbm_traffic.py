@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from andrea_jax import hbm_traffic
+from andrea_jax.compile import hbm_traffic
 
 # A loop of 12 trips whose body runs a fusion, with a fused transpose and an on-chip (S(1)) value.
 MODULE = """HloModule step

@@ -13,11 +13,13 @@ import numpy as np
 import optax
 import pytest
 
-from andrea_jax import hellaswag, hf_export, model, sharding, train_step
+from andrea_jax import model, sharding, train_step
+from andrea_jax.tools import hellaswag
+from andrea_jax.gpt2 import huggingface
 from andrea_jax.config import ConfigError, base_config, validate
 from andrea_jax.data import DataError
 from andrea_jax.data import tokenizer as tokenizers
-from andrea_jax.hellaswag import Encoded, Example
+from andrea_jax.tools.hellaswag import Encoded, Example
 from tensorflow_datasets.text.hellaswag import Hellaswag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,7 +191,7 @@ def test_log_likelihoods_equal_transformers_on_the_exported_model(tokenizer, tmp
     rows = hellaswag.encode(examples(), tokenizer)
     ours, tokens = log_likelihoods(config, params, rows, jax.devices())
 
-    hf_export.write_hf(str(tmp_path), params, config.model, tokenizer)
+    huggingface.write_hf(str(tmp_path), params, config.model, tokenizer)
     reference = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     theirs, their_tokens, cut = np.zeros((len(ROWS), 4)), np.zeros((len(ROWS), 4), int), 0
@@ -328,7 +330,7 @@ def run(tmp_path_factory, tokenizer):
     workdir = str(root / "run")
     os.makedirs(workdir)
     params = random_params(config.model, seed=2)
-    hf_export.write_run(workdir, params, config, tokenizer)
+    huggingface.write_run(workdir, params, config, tokenizer)
     return dict(workdir=workdir, config=config, params=params, jsonl=write_jsonl(root / "val.jsonl"))
 
 

@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = """
 import resource, sys
 import numpy as np
-from andrea_jax import host_memory
+from andrea_jax.runtime import host_memory
 if sys.argv[1] == "keep":
     assert host_memory.keep_freed_memory()
 np.ones(16 * 2**20, np.float32)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from andrea_jax import interop
+from andrea_jax.gpt2 import interop
 from tests.test_model import forward, init, small_model
 
 

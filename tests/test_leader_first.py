@@ -3,7 +3,7 @@
 import pytest
 
 from andrea_jax.data import DataError
-from andrea_jax.leader_first import leader_first
+from andrea_jax.runtime.leader_first import leader_first
 
 
 class Broken(RuntimeError):

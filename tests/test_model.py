@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from jax import ad_checkpoint
 
-from andrea_jax import interop, model, summary
+from andrea_jax import model
+from andrea_jax.gpt2 import interop
+from andrea_jax.tools import parameter_table
 from andrea_jax.config import base_config
 
 
@@ -82,21 +84,21 @@ def np_forward(sd, ids, n_head, gelu=np_gelu_tanh):
 
 def test_andrea120m_parameter_count_is_exact():
     m = base_config().model
-    assert summary.count(summary.param_shapes(m)) == 92_331_264
+    assert parameter_table.count(parameter_table.param_shapes(m)) == 92_331_264
     m.scan_layers = True
-    assert summary.count(summary.param_shapes(m)) == 92_331_264
+    assert parameter_table.count(parameter_table.param_shapes(m)) == 92_331_264
 
 
 def test_andrea120m_shapes_and_summary_rows():
     m = base_config().model
-    shapes = summary.param_shapes(m)
+    shapes = parameter_table.param_shapes(m)
     assert shapes["token_embed"].shape == (8449, 768)
     assert shapes["position_embed"].shape == (1024, 768)
     block = shapes["block_0"]
     assert block["attn"]["qkv_kernel"].shape == (768, 3, 12, 64)
     assert block["mlp"]["fc_kernel"].shape == (768, 3072)
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(shapes))
-    table = {name: n for name, _, n in summary.rows(m)}
+    table = {name: n for name, _, n in parameter_table.rows(m)}
     assert table["block_5"] == 7_087_872
     assert table["ln_f"] == 1536
     assert table["total"] == 92_331_264
@@ -105,7 +107,7 @@ def test_andrea120m_shapes_and_summary_rows():
 
 
 def test_twenty_five_layer_norms_and_no_output_matrix():
-    shapes = summary.param_shapes(base_config().model)
+    shapes = parameter_table.param_shapes(base_config().model)
     flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
     paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in flat]
     norms = {p.rsplit("/", 1)[0] for p in paths if p.endswith("/scale")}
@@ -212,7 +214,7 @@ def test_implementation_options_give_the_same_logits(options):
     np.testing.assert_allclose(np.asarray(forward(other, other_params, ids)),
                                np.asarray(forward(m, params, ids)), atol=2e-5, rtol=1e-5)
     grads = jax.grad(lambda p: forward(other, p, ids).mean())(other_params)
-    assert np.isfinite(summary.count(grads)) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+    assert np.isfinite(parameter_table.count(grads)) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
 
 def test_query_blocks_give_the_unblocked_loss_and_gradients(monkeypatch):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from andrea_jax import plotting
+from andrea_jax.tools import plotting
 
 
 def _write_metrics(workdir, records):

@@ -9,7 +9,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from andrea_jax import interop, model, sampling
+from andrea_jax import model
+from andrea_jax.gpt2 import interop
+from andrea_jax.tools import sampling
 from tests.test_model import forward, init, small_model
 
 PROMPT = [5, 17, 42, 8, 99]

@@ -97,7 +97,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 def test_a_run_ends_naming_its_last_checkpoint_and_a_resume_names_a_changed_schedule(tmp_path, capsys):
     from andrea_jax import flops
-    from andrea_jax import workdir as run_dir
+    from andrea_jax import run_dir
     workdir, devices = str(tmp_path / "run"), jax.devices()[:1]
     train_loop.train(loop_config(tmp_path, peak_flops=1e12), workdir, devices=devices)
     out = capsys.readouterr().out.strip().splitlines()
@@ -207,7 +207,7 @@ def test_a_workdir_copied_to_another_file_system_resumes_exactly(tmp_path):
 
 def test_a_run_killed_before_it_knew_its_tokenizer_resumes(tmp_path):
     """Killed during data preparation: config.json is there, still with model.vocab_size=0."""
-    from andrea_jax import workdir as run_dir
+    from andrea_jax import run_dir
     workdir = str(tmp_path / "run")
     config = loop_config(tmp_path, steps=2)
     run_dir.save_config(workdir, config)

@@ -15,7 +15,7 @@ import urllib.parse
 import urllib.request
 from typing import Sequence
 
-from andrea_jax import atomic
+from andrea_jax.runtime import atomic
 from andrea_jax.data import DataError
 
 # What a directory source reads; a glob reads whatever it matches.

@@ -3,7 +3,7 @@
 The leading process opens the source, trains or loads the tokenizer and builds
 the caches; the others then read what it wrote (so the workdir and
 `data.cache_dir` must be on a filesystem all processes share). The order, and
-how a failure on any process reaches the others, is `andrea_jax/leader_first.py`.
+how a failure on any process reaches the others, is `andrea_jax/runtime/leader_first.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 
 import ml_collections
 
-from andrea_jax import atomic
+from andrea_jax.runtime import atomic
 from andrea_jax.data import DataError, batcher, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.sources import Documents

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import tqdm
 
-from andrea_jax import atomic
+from andrea_jax.runtime import atomic
 from andrea_jax.data import DataError
 from andrea_jax.data.sources import Documents
 from andrea_jax.data.tokenizer import Tokenizer

@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from andrea_jax import atomic
+from andrea_jax.runtime import atomic
 from andrea_jax.data import DataError
 
 END_OF_TEXT = "<|endoftext|>"

@@ -1,4 +1,4 @@
-"""A run at a glance: python -m andrea_jax.plotting --workdir runs/tiny
+"""A run at a glance: python -m andrea_jax.tools.plotting --workdir runs/tiny
 
 Draws four panels from the workdir's metrics.jsonl into <workdir>/metrics.png:
 training and validation loss (log scale, where the early drop and the late

@@ -15,7 +15,7 @@ import time
 
 import ml_collections
 
-from andrea_jax import atomic
+from andrea_jax.runtime import atomic
 from andrea_jax.config import ConfigError, base_config
 
 CONFIG_FILE = "config.json"

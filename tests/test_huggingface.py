@@ -14,7 +14,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from andrea_jax import evaluate, hf_export, interop, model
+from andrea_jax import evaluate, model
+from andrea_jax.gpt2 import huggingface, interop
 from andrea_jax.config import base_config
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.sharding import unbox
@@ -54,18 +55,18 @@ def run(tmp_path_factory):
     params = random_params(config.model, seed=3)
     workdir = str(root / "run")
     os.makedirs(workdir)
-    hf_export.write_run(workdir, params, config, tokenizer)
+    huggingface.write_run(workdir, params, config, tokenizer)
     return dict(root=root, workdir=workdir, params=params, config=config, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")
 def exported(run):
-    return hf_export.export(run["workdir"], str(run["root"] / "hf"))
+    return huggingface.export(run["workdir"], str(run["root"] / "hf"))
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
     """get_config() of the run_config.py an import writes, as train.py --config loads it."""
-    spec = importlib.util.spec_from_file_location("run_config", os.path.join(workdir, hf_export.RUN_CONFIG_FILE))
+    spec = importlib.util.spec_from_file_location("run_config", os.path.join(workdir, huggingface.RUN_CONFIG_FILE))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
@@ -120,7 +121,7 @@ def test_transformers_loads_the_export_with_the_same_logits(run, exported):
 
 def test_import_gives_back_the_same_params(run, exported):
     workdir = str(run["root"] / "imported")
-    config = hf_export.import_run(exported, workdir, run_config(0, "unused"))
+    config = huggingface.import_run(exported, workdir, run_config(0, "unused"))
     for key in ("n_layer", "d_model", "n_head", "mlp_dim", "vocab_size", "max_len"):
         assert config.model[key] == run["config"].model[key], key
     assert config.data.tokenizer == "bpe"
@@ -148,7 +149,7 @@ def test_imported_checkpoint_restores_as_a_training_state(run, exported, tmp_pat
     from andrea_jax import checkpoint, optimizer, sharding, train_step
 
     workdir = str(tmp_path / "finetune")
-    hf_export.import_run(exported, workdir, run["config"])
+    huggingface.import_run(exported, workdir, run["config"])
     config = load_run_config(workdir)
     mesh = sharding.make_mesh(config, jax.devices()[:1])
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.rules(config)):
@@ -172,7 +173,7 @@ def test_imported_run_fine_tunes_in_train(run, exported, tmp_path, capsys):
     from andrea_jax import train_loop
 
     workdir = str(tmp_path / "finetune")
-    hf_export.import_run(exported, workdir, run["config"])
+    huggingface.import_run(exported, workdir, run["config"])
     config = load_run_config(workdir)
     record = train_loop.train(config, workdir, devices=jax.devices()[:1])
     assert f"resumed from step 0 of {workdir}" in capsys.readouterr().out
@@ -187,7 +188,7 @@ def test_byte_and_char_tokenizers_export_with_the_same_ids(kind):
 
     ours = tokenizers.ByteTokenizer() if kind == "byte" else \
         tokenizers.CharTokenizer(TEXT + "é", end_of_text=kind == "char")
-    hf = HfTokenizer.from_str(hf_export.hf_tokenizer_json(ours))
+    hf = HfTokenizer.from_str(huggingface.hf_tokenizer_json(ours))
     text = TEXT[:200] + ("é ü 日本 🙂" if kind == "byte" else "é")
     ids = ours.encode(text)
     assert hf.encode(text, add_special_tokens=False).ids == ids
@@ -200,12 +201,12 @@ def test_nanogpt_checkpoint_imports_with_linear_weights_transposed(run, tmp_path
     m = run["config"].model
     sd = interop.to_gpt2(run["params"], m)
     del sd["lm_head.weight"]
-    nanogpt = {"_orig_mod." + k: torch.from_numpy(np.array(v.T if k.endswith(hf_export._LINEAR_SUFFIXES) else v))
+    nanogpt = {"_orig_mod." + k: torch.from_numpy(np.array(v.T if k.endswith(huggingface._LINEAR_SUFFIXES) else v))
                for k, v in sd.items()}
     path = tmp_path / "ckpt.pt"
     torch.save({"model": nanogpt, "model_args": dict(n_layer=2, n_head=4, n_embd=64, block_size=32,
                                                      vocab_size=m.vocab_size, bias=True)}, path)
-    params, overrides = hf_export.to_params(*hf_export.read_state_dict(str(path)), m)
+    params, overrides = huggingface.to_params(*huggingface.read_state_dict(str(path)), m)
     assert overrides["vocab_size"] == m.vocab_size and overrides["mlp_dim"] == 256
     _assert_same_params(params, run["params"], m.vocab_size)
 
@@ -218,14 +219,14 @@ def test_gpt2model_names_without_prefix_are_read(run, exported, tmp_path):
     weights = load_file(os.path.join(exported, "model.safetensors"))
     save_file({k.removeprefix("transformer."): v for k, v in weights.items()}, str(hf_dir / "model.safetensors"))
     (hf_dir / "config.json").write_text(open(os.path.join(exported, "config.json")).read())
-    state_dict, _ = hf_export.read_state_dict(str(hf_dir))
+    state_dict, _ = huggingface.read_state_dict(str(hf_dir))
     assert set(state_dict) == set(weights)
 
 
 # ---- bad input: one line naming the fix, exit 2, nothing written ----
 
 def _refuses(call, *words):
-    with pytest.raises((hf_export.ExportError, ValueError, evaluate.EvalError)) as error:
+    with pytest.raises((huggingface.ExportError, ValueError, evaluate.EvalError)) as error:
         call()
     message = str(error.value)
     assert len(message.splitlines()) == 1, message
@@ -235,7 +236,7 @@ def _refuses(call, *words):
 
 def _command(*args, cwd=ROOT):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "andrea_jax.hf_export", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "andrea_jax.gpt2.huggingface", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -258,7 +259,7 @@ def test_export_without_checkpoint_refuses(run, tmp_path):
     for name in ("config.json", "tokenizer.json"):
         (workdir / name).write_text(open(os.path.join(run["workdir"], name)).read())
     out = tmp_path / "out"
-    _refuses(lambda: hf_export.export(str(workdir), str(out)), "no checkpoint", "train first")
+    _refuses(lambda: huggingface.export(str(workdir), str(out)), "no checkpoint", "train first")
     assert not out.exists()
 
 
@@ -267,7 +268,7 @@ def test_non_gpt2_architecture_refuses(tmp_path):
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     workdir = tmp_path / "new"
-    _refuses(lambda: hf_export.import_run(str(hf_dir), str(workdir)), "LlamaForCausalLM", "not GPT-2")
+    _refuses(lambda: huggingface.import_run(str(hf_dir), str(workdir)), "LlamaForCausalLM", "not GPT-2")
     assert not workdir.exists()
 
 
@@ -276,18 +277,18 @@ def test_other_activation_refuses(exported, tmp_path):
     hf_dir.mkdir()
     config = json.load(open(os.path.join(exported, "config.json")))
     (hf_dir / "config.json").write_text(json.dumps({**config, "activation_function": "quick_gelu"}))
-    _refuses(lambda: hf_export.import_run(str(hf_dir), str(tmp_path / "new")), "quick_gelu", "gelu_new", "'gelu'")
+    _refuses(lambda: huggingface.import_run(str(hf_dir), str(tmp_path / "new")), "quick_gelu", "gelu_new", "'gelu'")
 
 
 def test_non_empty_output_needs_overwrite(run, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    _refuses(lambda: hf_export.export(run["workdir"], str(out)), "--overwrite")
+    _refuses(lambda: huggingface.export(run["workdir"], str(out)), "--overwrite")
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
-    _refuses(lambda: hf_export.export(run["workdir"], run["workdir"], overwrite=True), "its own source")
+    _refuses(lambda: huggingface.export(run["workdir"], run["workdir"], overwrite=True), "its own source")
     assert os.path.isdir(os.path.join(run["workdir"], "checkpoints"))
-    hf_export.export(run["workdir"], str(out), overwrite=True)
+    huggingface.export(run["workdir"], str(out), overwrite=True)
     assert "keep.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
 
 
@@ -297,7 +298,7 @@ def test_ablated_architecture_refuses_export(run, tmp_path):
     saved = json.load(open(os.path.join(run["workdir"], "config.json")))
     saved["config"]["model"]["norm_position"] = "post"
     (workdir / "config.json").write_text(json.dumps(saved))
-    _refuses(lambda: hf_export.export(str(workdir), str(tmp_path / "out")), "not GPT-2's", "norm_position")
+    _refuses(lambda: huggingface.export(str(workdir), str(tmp_path / "out")), "not GPT-2's", "norm_position")
     assert not (tmp_path / "out").exists()
 
 
@@ -400,7 +401,7 @@ def test_nanogpt_char_checkpoint_gives_nanogpt_logits(tmp_path, bias):
     meta = write_meta(tmp_path / "data" / "shakespeare_char", CHAR_TEXT)
     workdir = str(tmp_path / "run")
     # No --tokenizer: meta.pkl is found where nanoGPT's sample.py looks, data/<config dataset>/.
-    config = hf_export.import_run(ckpt, workdir)
+    config = huggingface.import_run(ckpt, workdir)
     assert config.model.activation == "gelu_exact" and config.model.vocab_size == meta["vocab_size"]
     tokenizer = tokenizers.load(os.path.join(workdir, "tokenizer.json"))
     assert (tokenizer.kind, tokenizer.eot_id, tokenizer.vocab_size) == ("char", None, meta["vocab_size"])
@@ -425,7 +426,7 @@ def test_nanogpt_import_as_typed_then_export_keeps_exact_gelu(tmp_path):
     config = load_run_config(workdir)
     assert (config.steps, config.model.activation, config.data.tokenizer) == (7, "gelu_exact", "char")
 
-    exported = hf_export.export(workdir, str(tmp_path / "hf"))
+    exported = huggingface.export(workdir, str(tmp_path / "hf"))
     hf_config = json.load(open(os.path.join(exported, "config.json")))
     assert hf_config["activation_function"] == "gelu" and hf_config["eos_token_id"] is None
     chars = sorted(set(CHAR_TEXT))
@@ -436,7 +437,7 @@ def test_nanogpt_import_as_typed_then_export_keeps_exact_gelu(tmp_path):
         theirs = transformers.GPT2LMHeadModel.from_pretrained(exported).eval()(torch.from_numpy(ids_BxL)).logits
     _assert_equal_logits(theirs.numpy(), nanogpt_logits(sd, 4, ids_BxL))
 
-    again = hf_export.import_run(exported, str(tmp_path / "again"))
+    again = huggingface.import_run(exported, str(tmp_path / "again"))
     assert again.model.activation == "gelu_exact"
     assert tokenizers.load(os.path.join(tmp_path / "again", "tokenizer.json")).eot_id is None
 
@@ -451,10 +452,10 @@ def test_nanogpt_gpt2_vocabulary_imports_with_vocab_and_merges(run, tmp_path):
     sd = nanogpt_state_dict(vocab + 23, bias=True, seed=2)
     ckpt = write_nanogpt(str(tmp_path / "out"), sd, n_head=4, bias=True, dataset="openwebtext")
     workdir = str(tmp_path / "run")
-    config = hf_export.import_run(ckpt, workdir, tokenizer_path=str(bpe_dir))
+    config = huggingface.import_run(ckpt, workdir, tokenizer_path=str(bpe_dir))
     assert config.model.vocab_size == vocab and config.data.tokenizer == "bpe"
     tokenizer = tokenizers.load(os.path.join(workdir, "tokenizer.json"))
     assert tokenizer.eot_id == run["tokenizer"].eot_id and tokenizer.encode(TEXT) == run["tokenizer"].encode(TEXT)
     ids_BxL = np.array([tokenizer.encode(TEXT)[:32]])
     _assert_equal_logits(_logits(workdir, ids_BxL), nanogpt_logits(sd, 4, ids_BxL)[..., :vocab])
-    _refuses(lambda: hf_export.import_run(ckpt, str(tmp_path / "none")), "no tokenizer", "meta.pkl", "--tokenizer")
+    _refuses(lambda: huggingface.import_run(ckpt, str(tmp_path / "none")), "no tokenizer", "meta.pkl", "--tokenizer")

@@ -1,7 +1,7 @@
 """Hugging Face GPT-2 format out and in: share a run, or start one from GPT-2 or nanoGPT weights.
 
-  python -m andrea_jax.hf_export export --workdir runs/tiny --out runs/tiny_hf [--step N] [--overwrite]
-  python -m andrea_jax.hf_export import --hf DIR_OR_CKPT --workdir runs/ft [--config configs/tiny.py]
+  python -m andrea_jax.gpt2.huggingface export --workdir runs/tiny --out runs/tiny_hf [--step N] [--overwrite]
+  python -m andrea_jax.gpt2.huggingface import --hf DIR_OR_CKPT --workdir runs/ft [--config configs/tiny.py]
                                         [--tokenizer FILE_OR_DIR] [--overwrite]
 
 The architecture is GPT-2's, so both directions are exact: an export is a
@@ -24,8 +24,9 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from andrea_jax import atomic, interop
-from andrea_jax import workdir as run_dir
+from andrea_jax.gpt2 import interop
+from andrea_jax.runtime import atomic
+from andrea_jax import run_dir
 from andrea_jax.config import base_config, validate
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.tokenizer import END_OF_TEXT, Tokenizer
@@ -436,7 +437,7 @@ def main(argv: list[str]) -> None:
     try:
         if command not in _REQUIRED:
             raise ExportError(f"say export or import first{f', not {command!r}' if command else ''}; "
-                              f"e.g. python -m andrea_jax.hf_export export --workdir RUN --out DIR")
+                              f"e.g. python -m andrea_jax.gpt2.huggingface export --workdir RUN --out DIR")
         missing = [f"--{name}" for name in _REQUIRED[command] if values[name].value is None]
         if missing:
             raise ExportError(f"{command} needs {' and '.join(missing)}; see --helpshort")
@@ -451,7 +452,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from andrea_jax import cli
+    from andrea_jax.runtime import cli
 
     _define_flags()
     cli.run_app(main)

@@ -19,7 +19,8 @@ DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
 
 def run(main: Callable[[], None]) -> None:
     """Joins the cluster if there is one, runs `main`, and turns user errors into one line and exit code 2."""
-    from andrea_jax import atomic, checkpoint, distributed, host_memory, train_loop
+    from andrea_jax import checkpoint, train_loop
+    from andrea_jax.runtime import atomic, distributed, host_memory
     from andrea_jax.config import ConfigError
     from andrea_jax.data import DataError
 
@@ -77,5 +78,5 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def run_app(main: Callable[[list[str]], None]) -> None:
-    """absl's app.run with one-line flag errors (train.py, eval.py, compile_check)."""
+    """absl's app.run with one-line flag errors (train.py, eval.py, compile.check)."""
     app.run(main, flags_parser=_parse_flags)

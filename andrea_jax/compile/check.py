@@ -1,6 +1,6 @@
 """Compile the run's exact train and eval steps for a named TPU slice or GPU, from any machine.
 
-    python -m andrea_jax.compile_check --config configs/andrea120m.py --topology v5e-1 [--config.x=y]
+    python -m andrea_jax.compile.check --config configs/andrea120m.py --topology v5e-1 [--config.x=y]
 
 XLA's own TPU and GPU compilers run on a host without the chip; the steps are
 lowered with the mesh, shardings and micro-batch choice a run on that
@@ -21,7 +21,9 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from andrea_jax import cli, fit, flops, hbm_traffic, resolve, sharding, targets
+from andrea_jax import fit, flops, resolve, sharding
+from andrea_jax.compile import hbm_traffic, targets
+from andrea_jax.runtime import cli
 from andrea_jax.config import ConfigError, validate
 
 GIB = 2 ** 30
@@ -29,7 +31,7 @@ GIB = 2 ** 30
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/andrea120m.py",
                                           lock_config=False)
 _TOPOLOGY = flags.DEFINE_string("topology", None, "A TPU slice (v5e-1, v6e-1, v5e-16, v4-32, ...) or a GPU "
-                                                  "described in andrea_jax/gpu_targets/ (t4, l4, a100_40gb, ...)")
+                                                  "described in andrea_jax/compile/gpu_targets/ (t4, l4, a100_40gb, ...)")
 
 
 def compiled_for(config: ml_collections.ConfigDict, target: targets.Target, report=print) -> fit.Steps:

@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from andrea_jax import checkpoint, metrics, train_loop
-from andrea_jax import workdir as run_dir
+from andrea_jax import run_dir
 from andrea_jax.config import ConfigError, base_config
 from andrea_jax.data import DataError
 from andrea_jax.data import tokenizer as tokenizers
@@ -163,8 +163,8 @@ def test_a_second_run_on_a_workdir_in_use_stops_with_the_holder(tmp_path):
 
 def test_a_holder_that_died_does_not_block_the_next_run(tmp_path):
     workdir = str(tmp_path / "run")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from andrea_jax import workdir; "
-                               "workdir.hold(sys.argv[1]); print('held', flush=True); time.sleep(600)", workdir],
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from andrea_jax import run_dir; "
+                               "run_dir.hold(sys.argv[1]); print('held', flush=True); time.sleep(600)", workdir],
                               stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(ConfigError, match=f"pid {holder.pid} on"):

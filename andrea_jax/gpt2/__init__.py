@@ -1,0 +1,1 @@
+"""GPT-2 weights in and out: Hugging Face's GPT2LMHeadModel and nanoGPT checkpoints."""

@@ -1,0 +1,1 @@
+"""What works on a trained run: sampling, the logit lens, plots, the parameter table, HellaSwag."""
