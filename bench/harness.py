@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from andrea_jax import flops, optimizer, precision, sharding, train_step
+from andrea_jax import fit, flops, optimizer, precision, sharding, train_step
 from andrea_jax.config import ANDREA_VOCAB_SIZE, base_config, validate
 from bench.synthetic import random_batches
 
@@ -97,7 +97,8 @@ class JaxStep:
         self.step_fn = jax.jit(train_step.make_train_step(config, tx, schedule),
                                in_shardings=(state_shardings, batch_sharding),
                                out_shardings=(state_shardings, sharding.replicated(mesh)),
-                               donate_argnums=0 if donate else (), compiler_options=compiler_options)
+                               donate_argnums=0 if donate else (),
+                               compiler_options={**fit.compiler_options(mesh), **(compiler_options or {})})
         self.batches = [jax.device_put(b, batch_sharding) for b in random_batches(config, num_batches)]
         self._next = 0
         self.compile_s = None
