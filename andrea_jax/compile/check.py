@@ -50,13 +50,14 @@ def compiled_for(config: ml_collections.ConfigDict, target: targets.Target, repo
 
 
 def describe(steps: fit.Steps, target: targets.Target) -> str:
-    """What one device holds, the step's FLOPs and XLA's roofline bound, as lines of text."""
+    """What one device holds, the step's FLOPs and bytes by part, and the roofline bound, as lines of text."""
     config = steps.config
     train, evaluate = steps.train_memory, steps.eval_memory
     gib = lambda n: f"{n / GIB:.2f} GiB"
     lines = [
         targets.describe(target),
         f"config: microbatches={config.microbatches}, remat={config.model.remat}, compute {config.model.dtype}, "
+        f"attention {config.model.attention}, "
         f"mesh {sharding.describe(sharding.make_mesh(config, target.devices))}",
         f"train step, one device: arguments {gib(train.arguments)}, temporaries {gib(train.temporaries)}, "
         f"outputs {gib(train.outputs)} ({gib(train.aliased)} of them in donated arguments); "
