@@ -22,7 +22,6 @@ INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*)$")
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
         "replica-id", "opt-barrier"}
 LAYOUT_OPS = {"copy", "transpose"}
-SLICES = {"slice", "dynamic-slice", "slice-start"}
 PARTS = ("attention", "MLP", "norms", "embeddings, logits and loss", "optimizer", "layout copies", "other")
 
 
@@ -176,23 +175,21 @@ def count(hlo_text: str) -> dict[str, float]:
         parts = _parts(body, computations)
         for instruction in body:
             opcode = instruction.opcode
-            called = lambda key: re.findall(rf"{key}=\{{?%([\w.\-]+)", instruction.attributes)
-            if opcode == "while":
-                for computation in called("body"):
-                    walk(computation, times * _trip_count(instruction))
-                continue
-            if opcode in ("call", "conditional"):
-                for computation in called("to_apply") + called("branch_computations") + \
-                        called("true_computation") + called("false_computation"):
-                    walk(computation, times)
+            if opcode in ("while", "call"):  # a loop's body counts once a trip; a call's once
+                key, trips = ("body", _trip_count(instruction)) if opcode == "while" else ("to_apply", 1)
+                for computation in re.findall(rf"{key}=%([\w.\-]+)", instruction.attributes):
+                    walk(computation, times * trips)
                 continue
             if opcode in FREE:
                 continue
             read = sum(array_bytes(shapes.get(operand, "")) for operand in instruction.operands)
             written = array_bytes(instruction.output)
-            if opcode in SLICES:  # reads the slice only: as many bytes as it writes, wherever it lands
+            # A slice reads only what it writes; an asynchronous one writes the slice into the
+            # output's last arrays (on chip, on a TPU), after the source's alias.
+            if opcode in ("slice", "dynamic-slice"):
+                read = written
+            elif opcode == "slice-start":
                 read = sum(array_bytes(shape, on_chip_too=True) for shape in _arrays(instruction.output)[-2:])
-                read = written if opcode != "slice-start" else read
             if opcode.endswith("-start"):
                 written = 0.0  # the output aliases the source; the write is the -done's
             elif opcode.endswith("-done"):
