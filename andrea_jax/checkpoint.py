@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from andrea_jax import UserError
 from andrea_jax.runtime import atomic
 from andrea_jax.run_dir import PROJECT
 
@@ -33,7 +34,7 @@ DELETING_DIR = "deleting"  # in checkpoints/
 SAVE_MARGIN_BYTES = 2**20  # Orbax's metadata and indexes beside the arrays
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """No usable checkpoint where one was asked for; the message says what to do."""
 
 

@@ -10,11 +10,13 @@ import os
 
 import ml_collections
 
+from andrea_jax import UserError
+
 # The ANDREA vocabulary: 256 byte tokens + 8192 BPE merges + end-of-text.
 ANDREA_VOCAB_SIZE = 8449
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config that cannot run; the message names the fix."""
 
 

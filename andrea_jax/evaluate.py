@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from andrea_jax import checkpoint, model, resolve, sharding, train_step
+from andrea_jax import UserError
 from andrea_jax.runtime import atomic
 from andrea_jax.tools import sampling
 from andrea_jax import run_dir
@@ -32,7 +33,7 @@ from andrea_jax.data.token_cache import TokenSplit
 from andrea_jax.data.tokenizer import Tokenizer
 
 
-class EvalError(RuntimeError):
+class EvalError(UserError):
     """A run that cannot be evaluated as asked; the message names the fix."""
 
 
@@ -47,15 +48,10 @@ class Restored:
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:
     """The config a run was trained with, from its config.json; EvalError when there is none."""
-    if not os.path.isdir(workdir):
-        raise EvalError(f"--workdir {workdir} does not exist; pass the directory train.py wrote")
-    saved = None
-    if os.path.exists(os.path.join(workdir, run_dir.CONFIG_FILE)):
-        saved = run_dir.load_saved_config(workdir)
-    if saved is None:
+    if not os.path.isfile(os.path.join(workdir, run_dir.CONFIG_FILE)):
         raise EvalError(f"{workdir} holds no {run_dir.CONFIG_FILE}; pass the directory train.py wrote, "
                         f"or --config with the run's config file")
-    return saved
+    return run_dir.load_saved_config(workdir)
 
 
 def _mesh_for(config: ml_collections.ConfigDict) -> tuple[Mesh, ml_collections.ConfigDict]:
@@ -75,11 +71,13 @@ def _mesh_for(config: ml_collections.ConfigDict) -> tuple[Mesh, ml_collections.C
         return mesh, fallback
 
 
-def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None = None) -> Restored:
-    """The params of `step` (default: the newest readable), sharded over the devices present."""
+def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step: int | None = None) -> Restored:
+    """The params of `step` (default: the newest readable), sharded over the devices present; `config`
+    replaces the run's own."""
     workdir = os.fspath(workdir)
     if not os.path.isdir(workdir):
         raise EvalError(f"--workdir {workdir} does not exist; pass the directory train.py wrote")
+    config = run_config(workdir) if config is None else config
     tokenizer_path = os.path.join(workdir, pipeline.TOKENIZER_FILE)
     if not os.path.isfile(tokenizer_path):
         raise EvalError(f"{workdir} has no {pipeline.TOKENIZER_FILE}; pass the directory train.py wrote")

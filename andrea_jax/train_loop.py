@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from andrea_jax import (checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, resolve, sharding,
                         train_step)
+from andrea_jax import UserError
 from andrea_jax.tools import hellaswag
 from andrea_jax.tools import parameter_table
 from andrea_jax import run_dir
@@ -32,7 +33,7 @@ from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.runtime.leader_first import leader_first
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(UserError):
     """The run stopped on purpose (non-finite loss); the message says what to do."""
 
 

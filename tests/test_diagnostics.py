@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from andrea_jax import diagnostics, model, optimizer, sharding, train_step
+from andrea_jax import UserError, diagnostics, model, optimizer, sharding, train_step
 from andrea_jax.gpt2 import interop
 from andrea_jax.tools import logit_lens
 from andrea_jax.config import base_config
@@ -182,5 +182,5 @@ def test_trace_prints_a_row_per_depth_and_writes_the_heatmap(char_tokenizer, tmp
     assert [row.split()[1] for row in rows] == ["embed", "block_0", "block_1"]
     assert "over 32 tokens" in table
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(UserError, match="at least one token"):
         logit_lens.trace(params, m, char_tokenizer, "", None)

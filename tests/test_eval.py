@@ -136,7 +136,7 @@ def test_a_tokenizer_without_end_of_text_trains_and_scores(tmp_path):
 def test_missing_workdir_and_bad_flags_fail_with_one_line(tmp_path):
     for args, message in [
         (["--workdir", str(tmp_path / "nowhere")], f"--workdir {tmp_path / 'nowhere'} does not exist"),
-        (["--workdir", str(tmp_path), "--top_p", "0"], "--top_p=0.0 must be in (0, 1]"),
+        (["--workdir", str(tmp_path), "--top_p", "0"], "--top_p=0.0: must be in (0, 1]"),
     ]:
         result = run_eval(*args)
         assert result.returncode == 2

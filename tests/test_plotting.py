@@ -1,10 +1,15 @@
 """The run plot: four panels from metrics.jsonl, non-finite values left out, clear errors."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from andrea_jax.tools import plotting
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _write_metrics(workdir, records):
@@ -37,14 +42,17 @@ def test_plot_run_writes_a_png_in_the_workdir(tmp_path):
     assert image[..., :3].std() > 0.05  # not a blank canvas
 
 
-def test_cli_writes_to_out_and_refuses_an_empty_run(tmp_path, capsys):
+def test_cli_writes_to_out_and_refuses_an_empty_run(tmp_path):
     _write_metrics(tmp_path, _records())
-    plotting.main(["--workdir", str(tmp_path), "--out", str(tmp_path / "curves.png")])
+    command = [sys.executable, "-m", "andrea_jax.tools.plotting", "--workdir"]
+    run = lambda *args: subprocess.run(command + list(args), capture_output=True, text=True, cwd=REPO)
+    assert run(str(tmp_path), "--out", str(tmp_path / "curves.png")).returncode == 0
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(SystemExit) as exit_info:
-        plotting.main(["--workdir", str(empty)])
-    assert exit_info.value.code == 2
-    assert "no training records yet; train first" in capsys.readouterr().err
+    for workdir, message in [(empty, "holds no training records yet; train first"),
+                             (tmp_path / "nowhere", "nowhere does not exist; pass the directory train.py wrote")]:
+        result = run(str(workdir))
+        assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
+        assert "Traceback" not in result.stderr
     assert not (empty / "metrics.png").exists()

@@ -13,7 +13,6 @@ does not fit exits with status 2 and one line naming the fix.
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import flax.linen as nn
 import jax
@@ -117,13 +116,12 @@ def cost_text(cost: StepCost, tokens: int) -> str:
 
 def main(argv):
     del argv
-    try:
+
+    def check() -> None:
         target = targets.named(_TOPOLOGY.value)
-        steps = compiled_for(_CONFIG.value, target)
-        print(describe(steps, target), flush=True)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        print(describe(compiled_for(_CONFIG.value, target), target), flush=True)
+
+    cli.run(check, join_cluster=False)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 token stream into the batches of a step, as a pure function of (seed, step).
 """
 
+from andrea_jax import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError):
     """Input the pipeline cannot use; the message names the fix."""

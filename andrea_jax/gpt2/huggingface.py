@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from typing import Mapping
 
 import ml_collections
 import numpy as np
 from absl import flags
 
+from andrea_jax import UserError
 from andrea_jax.gpt2 import interop
 from andrea_jax.runtime import atomic
 from andrea_jax import run_dir
@@ -47,7 +47,7 @@ _LINEAR_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight
 _TOKENIZER_FILES = ([ANDREA_TOKENIZER_FILE], [HF_TOKENIZER_FILE], ["meta.pkl"], ["vocab.json", "merges.txt"])
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError):
     """An export or import that cannot be done as asked; the message names the fix."""
 
 
@@ -426,15 +426,12 @@ def main(argv: list[str]) -> None:
     """`export` or `import`, with the flags `_define_flags` gives; errors as one line and exit status 2."""
     from absl import logging
 
-    from andrea_jax import checkpoint, evaluate
-    from andrea_jax.config import ConfigError
-    from andrea_jax.data import DataError
+    from andrea_jax.runtime import cli
 
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.ERROR)  # Orbax's info lines and read-only warnings hide the result
     values = flags.FLAGS
     command = " ".join(argv[1:])
-    try:
+
+    def convert() -> None:
         if command not in _REQUIRED:
             raise ExportError(f"say export or import first{f', not {command!r}' if command else ''}; "
                               f"e.g. python -m andrea_jax.gpt2.huggingface export --workdir RUN --out DIR")
@@ -445,10 +442,8 @@ def main(argv: list[str]) -> None:
             export(values.workdir, values.out, values.step, values.overwrite)
         else:
             import_run(values.hf, values.workdir, values.config, values.tokenizer, values.overwrite)
-    except (ExportError, ConfigError, DataError, ValueError, checkpoint.CheckpointError,
-            evaluate.EvalError) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+
+    cli.run(convert, join_cluster=False, verbosity=logging.ERROR)  # Orbax's read-only warnings
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ import re
 import shutil
 from typing import Iterator
 
+from andrea_jax import UserError
+
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # How tensorstore (under Orbax) reports a failed write: the file, then the OS error.
 _TENSORSTORE_NO_SPACE = re.compile(r'Failed writing: "([^"]+)".*(No space left on device|Disk quota exceeded)')
 
 
-class DiskFull(RuntimeError):
+class DiskFull(UserError):
     """A write that found no space; the message names the path, the free space and what to do."""
 
 

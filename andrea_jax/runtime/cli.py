@@ -17,24 +17,23 @@ DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
     "before the run stops")
 
 
-def run(main: Callable[[], None]) -> None:
-    """Joins the cluster if there is one, runs `main`, and turns user errors into one line and exit code 2."""
-    from andrea_jax import checkpoint, train_loop
+def run(main: Callable[[], None], join_cluster: bool = True, verbosity: int = logging.WARNING) -> None:
+    """Joins the cluster if there is one (and `join_cluster`), runs `main`, and turns user errors into one
+    line and exit code 2. Libraries log at `verbosity` unless --verbosity says otherwise."""
+    from andrea_jax import UserError
     from andrea_jax.runtime import atomic, distributed, host_memory
-    from andrea_jax.config import ConfigError
-    from andrea_jax.data import DataError
 
     host_memory.keep_freed_memory()
-
     if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # library INFO chatter hides the progress bar
+        logging.set_verbosity(verbosity)  # library INFO chatter hides the progress bar and the results
     try:
-        distributed.initialize(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value, DISTRIBUTED_TIMEOUT.value)
+        if join_cluster:
+            distributed.initialize(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value,
+                                   DISTRIBUTED_TIMEOUT.value)
         main()
     except Exception as error:
         # A full disk arrives from many writers, Orbax's threads among them, in many forms.
-        known = error if isinstance(error, (ConfigError, DataError, checkpoint.CheckpointError,
-                                            train_loop.TrainingStopped)) else atomic.as_disk_full(error)
+        known = error if isinstance(error, UserError) else atomic.as_disk_full(error)
         if known is None:
             raise
         print(f"error: {known}", file=sys.stderr, flush=True)

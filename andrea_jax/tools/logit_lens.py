@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from andrea_jax import diagnostics, model
+from andrea_jax import UserError, diagnostics, model
 
 TOP_K = 5
 _MAX_PLOTTED_POSITIONS = 48  # wider heatmaps have unreadable labels; the last ones are plotted
@@ -153,7 +153,7 @@ def trace(params: Any, model_config: ml_collections.ConfigDict, tokenizer: Any, 
     """The lens for `text` (its last model.max_len tokens): the table, and the heatmap written to out_png."""
     ids = tokenizer.encode(text)
     if not ids:
-        raise ValueError("--trace needs a text of at least one token")
+        raise UserError("--trace needs a text of at least one token")
     ids = ids[-int(model_config.max_len):]
     lens = logit_lens(params, model_config, ids)
     if out_png:

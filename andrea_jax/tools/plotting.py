@@ -7,12 +7,12 @@ slope both show), learning rate, tokens per second, and gradient norm.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import sys
 
-from andrea_jax import metrics
+from absl import flags
+
+from andrea_jax import UserError, metrics
 
 PLOT_FILE = "metrics.png"
 
@@ -42,11 +42,13 @@ def plot_run(workdir: str, path: str | None = None) -> str:
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
+    if not os.path.isdir(workdir):
+        raise UserError(f"--workdir {workdir} does not exist; pass the directory train.py wrote")
     records = metrics.read(workdir)
     train_steps, train_loss = series(records, "loss")
     if not train_steps:
         where = os.path.join(workdir, metrics.METRICS_FILE)
-        raise ValueError(f"{where} holds no training records yet; train first "
+        raise UserError(f"{where} holds no training records yet; train first "
                          f"(python train.py --workdir {workdir} ...), one is written every log_every steps")
     val_steps, val_loss = series(records, "val_loss")
 
@@ -86,21 +88,16 @@ def plot_run(workdir: str, path: str | None = None) -> str:
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Plot a run's metrics.jsonl into a PNG.")
-    parser.add_argument("--workdir", required=True, help="run directory written by train.py")
-    parser.add_argument("--out", default=None, help=f"PNG path (default: <workdir>/{PLOT_FILE})")
-    args = parser.parse_args(argv)
-    if not os.path.isdir(args.workdir):
-        print(f"error: --workdir {args.workdir} does not exist; pass the directory train.py wrote",
-              file=sys.stderr)
-        sys.exit(2)
-    try:
-        print(f"wrote {plot_run(args.workdir, args.out)}")
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+def main(argv: list[str]) -> None:
+    del argv
+    from andrea_jax.runtime import cli
+    cli.run(lambda: print(f"wrote {plot_run(flags.FLAGS.workdir, flags.FLAGS.out)}"), join_cluster=False)
 
 
 if __name__ == "__main__":
-    main()
+    from andrea_jax.runtime import cli
+
+    flags.DEFINE_string("workdir", None, "run directory written by train.py")
+    flags.DEFINE_string("out", None, f"PNG path (default: <workdir>/{PLOT_FILE})")
+    flags.mark_flags_as_required(["workdir"])
+    cli.run_app(main)
