@@ -67,10 +67,3 @@ def metrics(stats: Mapping[str, jax.Array], grad_norms: jax.Array) -> dict[str, 
     out.update({f"{PREFIX}stream_norm/depth_{d}": stats["stream_norm"][d]
                 for d in range(stats["stream_norm"].shape[0])})
     return out
-
-
-def by_depth(records: Mapping[str, Any], name: str) -> list[float]:
-    """The values of one statistic ("grad_norm", "attn_delta_ratio", ...) in depth order, from flat keys."""
-    prefix = f"{PREFIX}{name}/"
-    found = {int(key.rsplit("_", 1)[1]): float(value) for key, value in records.items() if key.startswith(prefix)}
-    return [found[i] for i in sorted(found)]

@@ -47,16 +47,6 @@ def flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int) -> fl
     return 6 * non_embedding_params(m) + 12 * m.n_layer * m.n_head * head_dim * seq_len
 
 
-def exact_flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int) -> float:
-    """Training matmul FLOPs per token with the causal mask's half of attention skipped."""
-    m = model_config
-    d, f = m.d_model, mlp_hidden_dim(m)
-    matmul_weights = m.n_layer * (3 * d * d + d * d + (_mlp_input_matrices(m) + 1) * d * f) + padded_vocab_size(m) * d
-    # q·kᵀ and probs·v: 2 matmuls of 2·d FLOPs per (query, key) pair, on average (T+1)/2 keys.
-    attention = m.n_layer * 2 * 2 * d * (seq_len + 1) / 2
-    return 3 * (2 * matmul_weights + attention)
-
-
 def device_peak_flops(device: jax.Device, dtype: str = "bfloat16") -> float | None:
     """The table's peak for this device computing in `dtype`, or None (CPUs, unknown accelerators).
 

@@ -36,6 +36,14 @@ from andrea_jax.config import base_config, validate  # noqa: E402
 from andrea_jax.data import batcher, pipeline  # noqa: E402
 from configs import shakespeare_char  # noqa: E402
 
+
+def by_depth(records: dict, name: str) -> list[float]:
+    """The values of one statistic ("grad_norm", "attn_delta_ratio", ...) in depth order, from flat keys."""
+    prefix = f"{diagnostics.PREFIX}{name}/"
+    found = {int(key.rsplit("_", 1)[1]): float(value) for key, value in records.items() if key.startswith(prefix)}
+    return [found[i] for i in sorted(found)]
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEEP = dict(n_layer=24, d_model=64, n_head=4, mlp_dim=256, scan_layers=True)
 
@@ -133,8 +141,8 @@ def summarise(name: str, record: dict, vocab: int) -> dict:
     best_step, best = min(record["val"][1:] or record["val"], key=lambda sv: sv[1])
     final = vals[-1]
     diverged = record["diverged_at"] is not None or not math.isfinite(final) or final >= math.log(vocab)
-    first = diagnostics.by_depth(record["diag_first"], "grad_norm")
-    last = diagnostics.by_depth(record["diag_last"], "grad_norm")
+    first = by_depth(record["diag_first"], "grad_norm")
+    last = by_depth(record["diag_last"], "grad_norm")
     return dict(name=name, params=record["params"], final=final, best=best, best_step=best_step, diverged=diverged,
                 g0_first=first[0], g0_last=last[0], g_ratio_first=first[-1] / max(first[0], 1e-30),
                 seconds=record["seconds"])
@@ -204,12 +212,12 @@ def write_markdown(path: str, rows: list[dict], results: dict, init: dict, args,
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         first, last = b["diag_first"], b["diag_last"]
         for i, (a0, a1, m0, m1, x0, x1) in enumerate(zip(
-                diagnostics.by_depth(first, "attn_delta_ratio"), diagnostics.by_depth(last, "attn_delta_ratio"),
-                diagnostics.by_depth(first, "mlp_delta_ratio"), diagnostics.by_depth(last, "mlp_delta_ratio"),
-                diagnostics.by_depth(first, "stream_norm")[1:], diagnostics.by_depth(last, "stream_norm")[1:])):
+                by_depth(first, "attn_delta_ratio"), by_depth(last, "attn_delta_ratio"),
+                by_depth(first, "mlp_delta_ratio"), by_depth(last, "mlp_delta_ratio"),
+                by_depth(first, "stream_norm")[1:], by_depth(last, "stream_norm")[1:])):
             lines.append(f"| {i} | {a0:.3f} | {a1:.3f} | {m0:.3f} | {m1:.3f} | {x0:.3f} | {x1:.3f} |")
-        lines += ["", f"Embedding stream norm: {diagnostics.by_depth(first, 'stream_norm')[0]:.3f} at step 1, "
-                      f"{diagnostics.by_depth(last, 'stream_norm')[0]:.3f} at the end.", ""]
+        lines += ["", f"Embedding stream norm: {by_depth(first, 'stream_norm')[0]:.3f} at step 1, "
+                      f"{by_depth(last, 'stream_norm')[0]:.3f} at the end.", ""]
         lens_rows = {n: r["lens_loss_by_depth"] for n, r in results.items() if "lens_loss_by_depth" in r}
         lines += ["## Logit lens after training", "",
                   f"Mean loss of the real next character at each depth (LN_f and the tied output applied to the "

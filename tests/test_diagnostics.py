@@ -81,8 +81,8 @@ def test_diagnostics_add_their_keys_and_change_nothing_else(params, batch):
         assert diagnosed[f"diag/grad_norm/block_{i}"] == pytest.approx(direct, rel=1e-5)
     blocks_squared = sum(diagnosed[f"diag/grad_norm/block_{i}"] ** 2 for i in range(2))
     assert 0 < blocks_squared < float(plain["grad_norm"]) ** 2  # the embeddings and LN_f hold the rest
-    assert diagnostics.by_depth(diagnosed, "stream_norm") == \
-        [float(diagnosed[f"diag/stream_norm/depth_{d}"]) for d in range(3)]
+    assert sorted(key for key in diagnosed if key.startswith("diag/stream_norm/")) == \
+        [f"diag/stream_norm/depth_{d}" for d in range(3)]
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(norm_position="post", residual=False)])
