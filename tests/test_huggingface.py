@@ -206,8 +206,10 @@ def test_nanogpt_checkpoint_imports_with_linear_weights_transposed(run, tmp_path
     path = tmp_path / "ckpt.pt"
     torch.save({"model": nanogpt, "model_args": dict(n_layer=2, n_head=4, n_embd=64, block_size=32,
                                                      vocab_size=m.vocab_size, bias=True)}, path)
-    params, overrides = huggingface.to_params(*huggingface.read_state_dict(str(path)), m)
+    state_dict, hf = huggingface.read_state_dict(str(path))
+    overrides = huggingface.model_overrides(state_dict, hf)
     assert overrides["vocab_size"] == m.vocab_size and overrides["mlp_dim"] == 256
+    params = interop.from_gpt2(state_dict, ml_collections.ConfigDict({**m.to_dict(), **overrides}))
     _assert_same_params(params, run["params"], m.vocab_size)
 
 
