@@ -282,6 +282,16 @@ def test_other_activation_refuses(exported, tmp_path):
     _refuses(lambda: huggingface.import_run(str(hf_dir), str(tmp_path / "new")), "quick_gelu", "gelu_new", "'gelu'")
 
 
+def test_untied_or_rescaled_attention_refuses(exported, tmp_path):
+    config = json.load(open(os.path.join(exported, "config.json")))
+    for key, value in [("tie_word_embeddings", False), ("scale_attn_by_inverse_layer_idx", True)]:
+        hf_dir = tmp_path / key
+        hf_dir.mkdir()
+        (hf_dir / "config.json").write_text(json.dumps({**config, key: value}))
+        _refuses(lambda: huggingface.import_run(str(hf_dir), str(tmp_path / "new")), f"{key}={value}",
+                 "GPT-2's defaults")
+
+
 def test_non_empty_output_needs_overwrite(run, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()

@@ -4,12 +4,9 @@
   python -m andrea_jax.gpt2.huggingface import --hf DIR_OR_CKPT --workdir runs/ft [--config configs/tiny.py]
                                         [--tokenizer FILE_OR_DIR] [--overwrite]
 
-The architecture is GPT-2's, so both directions are exact: an export is a
-`GPT2LMHeadModel` directory (config.json, model.safetensors, tokenizer files)
-that `transformers` loads with the same logits; an import is a workdir
-(config.json, tokenizer.json, an Orbax checkpoint at step 0) that train.py
-fine-tunes and eval.py evaluates. Both are built beside the target and renamed
-into place, so a failure leaves nothing half-written.
+Both directions are exact: an export is a `GPT2LMHeadModel` directory that `transformers` loads with
+the same logits; an import is a workdir at step 0 that train.py fine-tunes and eval.py evaluates. Both
+are built beside the target and renamed into place, so a failure leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -163,12 +160,12 @@ def _check_gpt2(hf: dict, where: str) -> None:
         raise ExportError(f"{where} uses activation_function={activation!r}; this model computes the tanh or "
                           f"exact GELU ({', '.join(map(repr, ACTIVATIONS))}), so its logits would differ; pick a "
                           f"GPT-2 with one of those")
-    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
-        raise ExportError(f"{where} scales attention differently from GPT-2 (scale_attn_weights / "
-                          f"scale_attn_by_inverse_layer_idx); pick a checkpoint with GPT-2's defaults")
-    if hf.get("tie_word_embeddings", True) is False:
-        raise ExportError(f"{where} has an untied output matrix (tie_word_embeddings=false); this model ties "
-                          f"it to the token embedding, pick a tied checkpoint")
+    # Scaled attention, not by layer index, and the output matrix tied to the token embedding.
+    gpt2 = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "tie_word_embeddings": True}
+    changed = [f"{key}={hf[key]}" for key, value in gpt2.items() if bool(hf.get(key, value)) != value]
+    if changed:
+        raise ExportError(f"{where} sets {', '.join(changed)}, a model other than GPT-2's; pick a checkpoint "
+                          f"with GPT-2's defaults there")
 
 
 def _read_weights(path: str) -> dict[str, np.ndarray]:
@@ -263,17 +260,15 @@ def _gpt2_bpe(vocab: str, merges: str) -> Tokenizer:
 
 def _fit_vocab(state_dict: dict[str, np.ndarray], tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     """Cuts embedding rows no token can reach (nanoGPT pads GPT-2's 50257 to 50304)."""
-    key = interop.PREFIX + "wte.weight"
+    key, size = interop.PREFIX + "wte.weight", tokenizer.vocab_size
     rows = state_dict[key].shape[0]
-    if tokenizer.vocab_size > rows:
-        raise ExportError(f"the tokenizer has {tokenizer.vocab_size} entries but the embedding only {rows} rows; "
-                          f"pass the one the model was trained with (--tokenizer: a tokenizer.json, nanoGPT's "
-                          f"meta.pkl, or a directory with vocab.json + merges.txt)")
-    if tokenizer.vocab_size == rows:
-        return state_dict
-    print(f"note: keeping the first {tokenizer.vocab_size} of {rows} embedding rows (the tokenizer's entries)",
-          flush=True)
-    return {**state_dict, key: state_dict[key][:tokenizer.vocab_size]}
+    if size > rows:
+        raise ExportError(f"the tokenizer has {size} entries but the embedding only {rows} rows; pass the one "
+                          f"the model was trained with (--tokenizer: a tokenizer.json, nanoGPT's meta.pkl, or a "
+                          f"directory with vocab.json + merges.txt)")
+    if size < rows:
+        print(f"note: keeping the first {size} of {rows} embedding rows (the tokenizer's entries)", flush=True)
+    return {**state_dict, key: state_dict[key][:size]}
 
 
 def import_run(path: str, workdir: str, config: ml_collections.ConfigDict | None = None,
