@@ -1,3 +1,4 @@
+import collections
 import json
 import os
 import pickle
@@ -119,7 +120,7 @@ def nanogpt_meta(text: str) -> dict:
             "stoi": {c: i for i, c in enumerate(chars)}}
 
 
-@pytest.mark.parametrize("protocol", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("protocol", [0, 1, 2, 3, 4, 5])
 def test_nanogpt_meta_pkl_is_a_char_tokenizer_without_end_of_text(tmp_path, protocol):
     text = "First Citizen:\nBefore we proceed any further, hear me speak. ¿Qué? 日本"
     meta = nanogpt_meta(text)
@@ -143,13 +144,14 @@ def test_meta_pkl_other_than_a_plain_dict_is_refused_unrun(tmp_path):
     marker = str(tmp_path / "unpickled")
     good = nanogpt_meta("abc")
     cases = {
-        "code": ({**good, "payload": _RunsCode(marker)}, "opcode"),
-        "a list": ({**good, "itos": list("abc")}, "EMPTY_LIST"),
-        "a float": ({**good, "vocab_size": 3.0}, "BINFLOAT"),
+        "code": ({**good, "payload": _RunsCode(marker)}, r"asks for \w+\.mkdir"),
+        "a class": ({**good, "itos": collections.OrderedDict(enumerate("abc"))}, "asks for collections"),
+        "a list": ({**good, "itos": list("abc")}, "no itos dict"),
+        "a float": ({**good, "vocab_size": 3.0}, "no itos dict"),
         "unsorted": ({**good, "itos": {0: "b", 1: "a", 2: "c"}}, "sorted order"),
         "stoi off": ({**good, "stoi": {"a": 1, "b": 0, "c": 2}}, "inverse of itos"),
         "no itos": ({"vocab_size": 3}, "no itos"),
-        "not a dict": ([good], "EMPTY_LIST"),
+        "not a dict": ([good], "no itos dict"),
     }
     for name, (content, words) in cases.items():
         path = tmp_path / f"{name}.pkl"
@@ -157,10 +159,6 @@ def test_meta_pkl_other_than_a_plain_dict_is_refused_unrun(tmp_path):
         with pytest.raises(DataError, match=words) as error:
             tokenizers.load(path)
         assert "not nanoGPT's character vocabulary" in str(error.value) and "\n" not in str(error.value), name
-    path = tmp_path / "protocol0.pkl"
-    path.write_bytes(pickle.dumps(good, protocol=0))  # text opcodes: nanoGPT never writes them
-    with pytest.raises(DataError, match="opcode"):
-        tokenizers.load(path)
     path.write_bytes(pickle.dumps(good)[:-5])
     with pytest.raises(DataError, match="unreadable"):
         tokenizers.load(path)

@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from andrea_jax import evaluate, model
+from andrea_jax import UserError, evaluate, model
 from andrea_jax.gpt2 import huggingface, interop
 from andrea_jax.config import base_config
 from andrea_jax.data import tokenizer as tokenizers
@@ -206,8 +206,10 @@ def test_nanogpt_checkpoint_imports_with_linear_weights_transposed(run, tmp_path
     path = tmp_path / "ckpt.pt"
     torch.save({"model": nanogpt, "model_args": dict(n_layer=2, n_head=4, n_embd=64, block_size=32,
                                                      vocab_size=m.vocab_size, bias=True)}, path)
-    params, overrides = huggingface.to_params(*huggingface.read_state_dict(str(path)), m)
+    state_dict, hf = huggingface.read_state_dict(str(path))
+    overrides = huggingface.model_overrides(state_dict, hf)
     assert overrides["vocab_size"] == m.vocab_size and overrides["mlp_dim"] == 256
+    params = interop.from_gpt2(state_dict, ml_collections.ConfigDict({**m.to_dict(), **overrides}))
     _assert_same_params(params, run["params"], m.vocab_size)
 
 
@@ -226,7 +228,7 @@ def test_gpt2model_names_without_prefix_are_read(run, exported, tmp_path):
 # ---- bad input: one line naming the fix, exit 2, nothing written ----
 
 def _refuses(call, *words):
-    with pytest.raises((huggingface.ExportError, ValueError, evaluate.EvalError)) as error:
+    with pytest.raises(UserError) as error:
         call()
     message = str(error.value)
     assert len(message.splitlines()) == 1, message
@@ -278,6 +280,16 @@ def test_other_activation_refuses(exported, tmp_path):
     config = json.load(open(os.path.join(exported, "config.json")))
     (hf_dir / "config.json").write_text(json.dumps({**config, "activation_function": "quick_gelu"}))
     _refuses(lambda: huggingface.import_run(str(hf_dir), str(tmp_path / "new")), "quick_gelu", "gelu_new", "'gelu'")
+
+
+def test_untied_or_rescaled_attention_refuses(exported, tmp_path):
+    config = json.load(open(os.path.join(exported, "config.json")))
+    for key, value in [("tie_word_embeddings", False), ("scale_attn_by_inverse_layer_idx", True)]:
+        hf_dir = tmp_path / key
+        hf_dir.mkdir()
+        (hf_dir / "config.json").write_text(json.dumps({**config, key: value}))
+        _refuses(lambda: huggingface.import_run(str(hf_dir), str(tmp_path / "new")), f"{key}={value}",
+                 "GPT-2's defaults")
 
 
 def test_non_empty_output_needs_overwrite(run, tmp_path):

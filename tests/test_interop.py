@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from andrea_jax import UserError
 from andrea_jax.gpt2 import interop
 from tests.test_model import forward, init, small_model
 
@@ -36,7 +37,7 @@ def test_qkv_layout_matches_gpt2_column_order():
 def test_wrong_shape_names_the_fix():
     m = small_model()
     sd = interop.to_gpt2(init(m), m)
-    with pytest.raises(ValueError, match="set --config.model.d_model=64"):
+    with pytest.raises(UserError, match="set --config.model.d_model=64"):
         interop.from_gpt2(sd, small_model(d_model=128, n_head=4))
 
 
@@ -89,13 +90,13 @@ def test_non_gpt2_variants_are_refused(variant):
     m = small_model()
     sd = interop.to_gpt2(init(m), m)
     other = small_model(**variant)
-    with pytest.raises(ValueError, match="set them back to their defaults"):
+    with pytest.raises(UserError, match="set them back to their defaults"):
         interop.from_gpt2(sd, other)
 
 
 def test_mlp_ratio_that_misses_the_weights_names_the_fix():
     m = small_model()
     sd = interop.to_gpt2(init(m), m)
-    with pytest.raises(ValueError, match="set --config.model.mlp_ratio=0 --config.model.mlp_dim=256"):
+    with pytest.raises(UserError, match="set --config.model.mlp_ratio=0 --config.model.mlp_dim=256"):
         interop.from_gpt2(sd, small_model(mlp_ratio=2.0))
     assert interop.from_gpt2(sd, small_model(mlp_ratio=4.0))["block_0"]["mlp"]["fc_kernel"].shape == (64, 256)

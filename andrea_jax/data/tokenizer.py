@@ -11,7 +11,7 @@ import functools
 import hashlib
 import json
 import os
-import pickletools
+import pickle
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -235,57 +235,27 @@ def load(path: str | os.PathLike) -> Tokenizer:
     return BpeTokenizer(HfTokenizer.from_str(text))
 
 
-# The opcodes pickle protocols 1 to 5 write for a dict of dicts, strings and integers.
-_META_VALUES = {"BININT", "BININT1", "BININT2", "LONG1", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
-_META_NOOPS = {"PROTO", "FRAME", "STOP"}
+class _PlainValuesUnpickler(pickle.Unpickler):
+    """Builds only what pickle spells without a global (dicts, strings, numbers, ...): a file that
+    names any class or function, which is how a pickle runs code, is refused before anything is called."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a dict of strings and integers "
+                                     f"never needs")
 
 
 def read_nanogpt_meta(path: str | os.PathLike) -> CharTokenizer:
-    """nanoGPT's character vocabulary ({'vocab_size': n, 'itos': {i: c}, 'stoi': {c: i}}), never unpickled.
-
-    The file's opcodes are read with `pickletools.genops` (a disassembler, which
-    runs nothing) and interpreted here for dicts, strings and integers only. A
-    restricted `Unpickler` (find_class refusing every global) would also block
-    code, but it still runs the general machine over untrusted bytes and hands
-    back whatever built-in objects the file asks for; here any other opcode, and
-    so any other object, is refused before it is built.
-    """
+    """nanoGPT's character vocabulary ({'vocab_size': n, 'itos': {i: c}, 'stoi': {c: i}}), globals refused."""
     def refuse(why: str) -> DataError:
         return DataError(f"{os.fspath(path)!r} is not nanoGPT's character vocabulary ({why}); only a plain "
                          f"dict of vocab_size, itos and stoi is read: pass the meta.pkl its prepare.py wrote")
 
     try:
         with open(path, "rb") as f:
-            data = f.read()
-    except OSError as error:
-        raise refuse(str(error)) from None
-    stack, memo, mark = [], {}, object()
-    try:
-        for opcode, arg, _ in pickletools.genops(data):
-            name = opcode.name
-            if name in _META_VALUES:
-                stack.append(arg)
-            elif name == "EMPTY_DICT":
-                stack.append({})
-            elif name == "MARK":
-                stack.append(mark)
-            elif name in ("MEMOIZE", "BINPUT", "LONG_BINPUT"):
-                memo[len(memo) if arg is None else arg] = stack[-1]
-            elif name in ("BINGET", "LONG_BINGET"):
-                stack.append(memo[arg])
-            elif name in ("SETITEM", "SETITEMS"):
-                start = len(stack) - 2 if name == "SETITEM" else max(
-                    i for i, item in enumerate(stack) if item is mark)
-                items = stack[start:] if name == "SETITEM" else stack[start + 1:]
-                del stack[start:]
-                if not isinstance(stack[-1], dict) or len(items) % 2:
-                    raise ValueError(f"{name} without a dict and key-value pairs")
-                stack[-1].update(zip(items[::2], items[1::2]))
-            elif name not in _META_NOOPS:
-                raise refuse(f"it holds a {name} opcode, which a dict of strings and integers never needs")
-    except (ValueError, KeyError, IndexError, TypeError) as error:
+            meta = _PlainValuesUnpickler(f).load()
+    except Exception as error:  # missing, truncated, not a pickle, or naming a global: each its own type
         raise refuse(f"unreadable: {error}") from None
-    meta = stack[0] if len(stack) == 1 and isinstance(stack[0], dict) else {}
+    meta = meta if isinstance(meta, dict) else {}
     itos, size = meta.get("itos"), meta.get("vocab_size")
     if not isinstance(itos, dict) or not isinstance(size, int) or len(itos) != size:
         raise refuse("no itos dict of vocab_size entries")

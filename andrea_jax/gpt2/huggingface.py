@@ -4,20 +4,18 @@
   python -m andrea_jax.gpt2.huggingface import --hf DIR_OR_CKPT --workdir runs/ft [--config configs/tiny.py]
                                         [--tokenizer FILE_OR_DIR] [--overwrite]
 
-The architecture is GPT-2's, so both directions are exact: an export is a
-`GPT2LMHeadModel` directory (config.json, model.safetensors, tokenizer files)
-that `transformers` loads with the same logits; an import is a workdir
-(config.json, tokenizer.json, an Orbax checkpoint at step 0) that train.py
-fine-tunes and eval.py evaluates. Both are built beside the target and renamed
-into place, so a failure leaves nothing half-written.
+Both directions are exact: an export is a `GPT2LMHeadModel` directory that `transformers` loads with
+the same logits; an import is a workdir at step 0 that train.py fine-tunes and eval.py evaluates. Both
+are built beside the target and renamed into place, so a failure leaves nothing half-written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import ml_collections
 import numpy as np
@@ -30,6 +28,7 @@ from andrea_jax import run_dir
 from andrea_jax.config import base_config, validate
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.tokenizer import END_OF_TEXT, Tokenizer
+from andrea_jax.model import mlp_hidden_dim
 
 WEIGHTS_FILE = "model.safetensors"
 HF_CONFIG_FILE = "config.json"
@@ -53,70 +52,51 @@ class ExportError(UserError):
 
 # ---------------------------------------------------------------- export
 
-def hf_config(model_config: ml_collections.ConfigDict, eot_id: int | None, mlp_width: int) -> dict:
-    """config.json of the equivalent transformers GPT2LMHeadModel."""
-    m = model_config
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": int(m.vocab_size),  # padding rows are cut
-        "n_positions": int(m.max_len), "n_ctx": int(m.max_len),
-        "n_embd": int(m.d_model), "n_layer": int(m.n_layer), "n_head": int(m.n_head), "n_inner": int(mlp_width),
-        "activation_function": "gelu" if m.get("activation") == "gelu_exact" else "gelu_new",
-        "layer_norm_epsilon": float(m.layer_norm_epsilon),
-        "resid_pdrop": float(m.dropout), "embd_pdrop": float(m.dropout), "attn_pdrop": float(m.dropout),
-        "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False, "use_cache": True, "tie_word_embeddings": True,
-        "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": "float32",
-    }
-
-
 def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
-    """The tokenizer as a HF `tokenizers` file giving the same ids; ExportError when it cannot."""
+    """The tokenizer as a HF `tokenizers` file giving the same ids."""
     if tokenizer.kind == "bpe":
         return tokenizer.to_json()  # already a HF tokenizers file
     from tokenizers import Tokenizer as HfTokenizer, decoders, models, pre_tokenizers
 
-    if tokenizer.kind == "byte":
-        # Byte-level BPE without merges: every byte is its own token, id = byte value.
-        vocab = {char: byte for byte, char in tokenizers.byte_to_char().items()}
-        hf = HfTokenizer(models.BPE(vocab=vocab, merges=[]))
+    if tokenizer.kind == "byte":  # byte-level BPE without merges: every byte its own token, id = byte value
+        hf = HfTokenizer(models.BPE(vocab={char: byte for byte, char in tokenizers.byte_to_char().items()}, merges=[]))
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         hf.decoder = decoders.ByteLevel()
-        probe = "byte tokens: é, ü, 日本, \t\n and emoji 🙂"
-    elif tokenizer.kind == "char":
-        # BPE without merges or pre-tokenizer: every character is its own token.
+    else:  # char: BPE without merges or pre-tokenizer, every character its own token
         hf = HfTokenizer(models.BPE(vocab={c: i for i, c in enumerate(tokenizer.chars)}, merges=[]))
         hf.decoder = decoders.Fuse()
-        probe = "".join(tokenizer.chars) + "".join(reversed(tokenizer.chars))
-    else:
-        raise ExportError(f"a {tokenizer.kind!r} tokenizer has no Hugging Face form; "
-                          f"train with data.tokenizer='bpe', 'byte' or 'char'")
     if tokenizer.eot_id is not None:
         hf.add_special_tokens([END_OF_TEXT])
-    if hf.token_to_id(END_OF_TEXT) != tokenizer.eot_id or \
-            hf.encode(probe, add_special_tokens=False).ids != tokenizer.encode(probe):
-        raise ExportError(f"the {tokenizer.kind} tokenizer could not be rebuilt exactly in Hugging Face "
-                          f"form; share the weights with {ANDREA_TOKENIZER_FILE} instead")
     return hf.to_str()
 
 
 def write_hf(out: str, params: Mapping, model_config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> None:
-    """Writes a GPT2LMHeadModel directory into `out` (which must exist)."""
+    """Writes a GPT2LMHeadModel directory into `out` (which must exist); `model_config` is GPT-2's architecture."""
     from safetensors.numpy import save
 
-    state_dict = interop.to_gpt2(params, model_config)
-    mlp_width = state_dict[interop.PREFIX + "h.0.mlp.c_fc.weight"].shape[1]
+    m, eot_id, dropout = model_config, tokenizer.eot_id, float(model_config.dropout)
+    state_dict = interop.to_gpt2(params, m)
     # Tied: transformers ties lm_head to wte on load, as its own save_pretrained files expect.
     del state_dict["lm_head.weight"]
     # A char tokenizer from nanoGPT has no end-of-text: then there are no special tokens at all.
-    special = {} if tokenizer.eot_id is None else {k: END_OF_TEXT for k in ("bos_token", "eos_token", "unk_token")}
+    special = {} if eot_id is None else {k: END_OF_TEXT for k in ("bos_token", "eos_token", "unk_token")}
     files = {
         # As bytes, written like the other files: safetensors' save_file creates its file 0600.
         WEIGHTS_FILE: save(state_dict, metadata={"format": "pt"}),
-        HF_CONFIG_FILE: json.dumps(hf_config(model_config, tokenizer.eot_id, mlp_width), indent=2),
+        HF_CONFIG_FILE: json.dumps({
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": int(m.vocab_size),  # padding rows are cut
+            "n_positions": int(m.max_len), "n_ctx": int(m.max_len), "n_embd": int(m.d_model),
+            "n_layer": int(m.n_layer), "n_head": int(m.n_head), "n_inner": mlp_hidden_dim(m),
+            "activation_function": "gelu" if m.activation == "gelu_exact" else "gelu_new",
+            "layer_norm_epsilon": float(m.layer_norm_epsilon),
+            "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout,
+            "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "use_cache": True, "tie_word_embeddings": True,
+            "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": "float32"}, indent=2),
         HF_TOKENIZER_FILE: hf_tokenizer_json(tokenizer),
         "tokenizer_config.json": json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(model_config.max_len),
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(m.max_len),
             **special, "add_prefix_space": False, "clean_up_tokenization_spaces": False}, indent=2),
         "special_tokens_map.json": json.dumps(special),
     }
@@ -132,7 +112,7 @@ def export(workdir: str, out: str, step: int | None = None, overwrite: bool = Fa
 
     _check_output(out, overwrite, "--out", keep=workdir)
     config = evaluate.run_config(workdir)
-    interop.check_gpt2_architecture(config.model)  # before the restore, which may take a while
+    interop.check_gpt2_architecture(config.model)  # the export's one check, before the restore, which may be slow
     restored = evaluate.restore(workdir, config, step)
     with _staged(out) as staging:
         write_hf(staging, restored.params, restored.config.model, restored.tokenizer)
@@ -180,33 +160,29 @@ def _check_gpt2(hf: dict, where: str) -> None:
         raise ExportError(f"{where} uses activation_function={activation!r}; this model computes the tanh or "
                           f"exact GELU ({', '.join(map(repr, ACTIVATIONS))}), so its logits would differ; pick a "
                           f"GPT-2 with one of those")
-    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
-        raise ExportError(f"{where} scales attention differently from GPT-2 (scale_attn_weights / "
-                          f"scale_attn_by_inverse_layer_idx); pick a checkpoint with GPT-2's defaults")
-    if hf.get("tie_word_embeddings", True) is False:
-        raise ExportError(f"{where} has an untied output matrix (tie_word_embeddings=false); this model ties "
-                          f"it to the token embedding, pick a tied checkpoint")
+    # Scaled attention, not by layer index, and the output matrix tied to the token embedding.
+    gpt2 = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "tie_word_embeddings": True}
+    changed = [f"{key}={hf[key]}" for key, value in gpt2.items() if bool(hf.get(key, value)) != value]
+    if changed:
+        raise ExportError(f"{where} sets {', '.join(changed)}, a model other than GPT-2's; pick a checkpoint "
+                          f"with GPT-2's defaults there")
 
 
 def _read_weights(path: str) -> dict[str, np.ndarray]:
-    index = os.path.join(path, WEIGHTS_FILE + ".index.json")
-    if os.path.isfile(os.path.join(path, WEIGHTS_FILE)) or os.path.isfile(index):
-        from safetensors.flax import load_file  # reads bfloat16 too, which NumPy cannot
-
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = [WEIGHTS_FILE]
-        state_dict = {}
-        for name in files:
-            state_dict.update(load_file(os.path.join(path, name)))
-        return {k: np.asarray(v, np.float32) for k, v in state_dict.items()}
-    bin_path = os.path.join(path, "pytorch_model.bin")
-    if os.path.isfile(bin_path):
+    index, bin_path = os.path.join(path, WEIGHTS_FILE + ".index.json"), os.path.join(path, "pytorch_model.bin")
+    if os.path.isfile(index):  # sharded
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+        files = [WEIGHTS_FILE]
+    elif os.path.isfile(bin_path):
         return {k: v.float().numpy() for k, v in _torch_load(bin_path).items()}
-    raise ExportError(f"{path} has neither {WEIGHTS_FILE} nor pytorch_model.bin; pass a complete "
-                      f"Hugging Face GPT-2 directory")
+    else:
+        raise ExportError(f"{path} has neither {WEIGHTS_FILE} nor pytorch_model.bin; pass a complete "
+                          f"Hugging Face GPT-2 directory")
+    from safetensors.flax import load_file  # reads bfloat16 too, which NumPy cannot
+
+    return {k: np.asarray(v, np.float32) for name in files for k, v in load_file(os.path.join(path, name)).items()}
 
 
 def _torch_load(path: str) -> dict:
@@ -236,8 +212,7 @@ def _read_nanogpt(path: str) -> tuple[dict[str, np.ndarray], dict]:
         state_dict[key] = array.T if key.endswith(_LINEAR_SUFFIXES) else array
     # nanoGPT's bias=False drops every bias; zeros are the same model.
     for key in [k for k in state_dict if k.endswith(".weight") and ("ln_" in k or k.endswith(_LINEAR_SUFFIXES))]:
-        bias = key[:-len("weight")] + "bias"
-        state_dict.setdefault(bias, np.zeros(state_dict[key].shape[-1], np.float32))
+        state_dict.setdefault(key.removesuffix("weight") + "bias", np.zeros(state_dict[key].shape[-1], np.float32))
     # nanoGPT's GELU is the exact (erf) one, its LayerNorm epsilon 1e-5; the dataset names its meta.pkl.
     hf = {"n_head": checkpoint["model_args"]["n_head"], "activation_function": "gelu", "layer_norm_epsilon": 1e-5,
           "dataset": (checkpoint.get("config") or {}).get("dataset")}
@@ -245,31 +220,10 @@ def _read_nanogpt(path: str) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def model_overrides(state_dict: Mapping[str, np.ndarray], hf: dict) -> dict:
-    """The model config keys a GPT-2 checkpoint fixes (shapes from the weights themselves)."""
-    p = interop.PREFIX
-    wte = state_dict[p + "wte.weight"]
-    return {
-        "n_layer": len({k.split(".")[2] for k in state_dict if k.startswith(p + "h.")}),
-        "d_model": int(wte.shape[1]), "n_head": int(hf["n_head"]),
-        "mlp_dim": int(state_dict[p + "h.0.mlp.c_fc.weight"].shape[1]), "mlp_ratio": 0.0,
-        "vocab_size": int(wte.shape[0]), "max_len": int(state_dict[p + "wpe.weight"].shape[0]),
-        "layer_norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
-        "activation": ACTIVATIONS[hf.get("activation_function", "gelu_new")],
-    }
-
-
-def to_params(state_dict: Mapping[str, np.ndarray], hf: dict,
-              model_config: ml_collections.ConfigDict | None = None) -> tuple[dict, dict]:
-    """A state dict from `read_state_dict` -> (params, model config overrides).
-
-    The overrides (n_layer, d_model, ... from the checkpoint) go on top of
-    `model_config` (default: base_config().model), whose other keys
-    (scan_layers, vocab_pad_multiple, dtype) decide the params' layout.
-    """
-    overrides = model_overrides(state_dict, hf)
-    m = ml_collections.ConfigDict((model_config or base_config().model).to_dict())
-    m.update(overrides)
-    return interop.from_gpt2(state_dict, m), overrides
+    """The model config keys a GPT-2 checkpoint fixes: the weights' shapes, the heads, the norm and GELU."""
+    return {**interop.gpt2_shapes(state_dict), "n_head": int(hf["n_head"]), "mlp_ratio": 0.0,
+            "layer_norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
+            "activation": ACTIVATIONS[hf.get("activation_function", "gelu_new")]}
 
 
 def load_tokenizer(path: str, tokenizer_path: str | None = None, dataset: str | None = None) -> Tokenizer:
@@ -306,35 +260,35 @@ def _gpt2_bpe(vocab: str, merges: str) -> Tokenizer:
 
 def _fit_vocab(state_dict: dict[str, np.ndarray], tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     """Cuts embedding rows no token can reach (nanoGPT pads GPT-2's 50257 to 50304)."""
-    key = interop.PREFIX + "wte.weight"
+    key, size = interop.PREFIX + "wte.weight", tokenizer.vocab_size
     rows = state_dict[key].shape[0]
-    if tokenizer.vocab_size > rows:
-        raise ExportError(f"the tokenizer has {tokenizer.vocab_size} entries but the embedding only {rows} rows; "
-                          f"pass the one the model was trained with (--tokenizer: a tokenizer.json, nanoGPT's "
-                          f"meta.pkl, or a directory with vocab.json + merges.txt)")
-    if tokenizer.vocab_size == rows:
-        return state_dict
-    print(f"note: keeping the first {tokenizer.vocab_size} of {rows} embedding rows (the tokenizer's entries)",
-          flush=True)
-    return {**state_dict, key: state_dict[key][:tokenizer.vocab_size]}
+    if size > rows:
+        raise ExportError(f"the tokenizer has {size} entries but the embedding only {rows} rows; pass the one "
+                          f"the model was trained with (--tokenizer: a tokenizer.json, nanoGPT's meta.pkl, or a "
+                          f"directory with vocab.json + merges.txt)")
+    if size < rows:
+        print(f"note: keeping the first {size} of {rows} embedding rows (the tokenizer's entries)", flush=True)
+    return {**state_dict, key: state_dict[key][:size]}
 
 
 def import_run(path: str, workdir: str, config: ml_collections.ConfigDict | None = None,
                tokenizer_path: str | None = None, overwrite: bool = False) -> ml_collections.ConfigDict:
     """A GPT-2 or nanoGPT checkpoint -> a new workdir at step 0 that train.py and eval.py take; returns its config.
 
-    `config` (default: base_config()) gives everything but the model's shape and
-    activation: data, optimizer, steps; seq_len is lowered to the checkpoint's context if longer.
+    `config` (default: base_config()) gives everything but the model's shape and activation: data,
+    optimizer, steps, and the params' layout (scan_layers, vocab_pad_multiple); seq_len is lowered to
+    the checkpoint's context if longer.
     """
     _check_output(workdir, overwrite, "--workdir", keep=path)
     config = ml_collections.ConfigDict((config or base_config()).to_dict())
     state_dict, hf = read_state_dict(path)
     tokenizer = load_tokenizer(path, tokenizer_path, hf.get("dataset"))
-    params, overrides = to_params(_fit_vocab(state_dict, tokenizer), hf, config.model)
-    config.model.update(overrides)
+    state_dict = _fit_vocab(state_dict, tokenizer)
+    config.model.update(model_overrides(state_dict, hf))
     config.seq_len = min(int(config.seq_len), int(config.model.max_len))
     config.data.tokenizer = tokenizer.kind
     validate(config)
+    params = interop.from_gpt2(state_dict, config.model)
     with _staged(workdir) as staging:
         write_run(staging, params, config, tokenizer)
     print(f"imported {path} into {workdir} (step 0); fine-tune with: python train.py --config "
@@ -381,25 +335,21 @@ def _check_output(out: str, overwrite: bool, flag: str, keep: str | None = None)
                           f"or pick a new directory")
 
 
-class _staged:
+@contextlib.contextmanager
+def _staged(target: str) -> Iterator[str]:
     """A scratch directory beside `target`, renamed onto it only when the block succeeds."""
-
-    def __init__(self, target: str):
-        self.target = os.path.abspath(target)
-        self.staging = f"{self.target}.tmp{os.getpid()}"
-
-    def __enter__(self) -> str:
-        shutil.rmtree(self.staging, ignore_errors=True)
-        os.makedirs(self.staging)
-        return self.staging
-
-    def __exit__(self, exc_type, *rest) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.staging, ignore_errors=True)
-            return
-        if os.path.isdir(self.target):
-            shutil.rmtree(self.target)  # _check_output allowed it: empty, or --overwrite
-        os.replace(self.staging, self.target)
+    target = os.path.abspath(target)
+    staging = f"{target}.tmp{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if os.path.isdir(target):
+        shutil.rmtree(target)  # _check_output allowed it: empty, or --overwrite
+    os.replace(staging, target)
 
 
 # ---------------------------------------------------------------- command line

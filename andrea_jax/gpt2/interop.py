@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import numpy as np
+import jax
 import ml_collections
+import numpy as np
 
+from andrea_jax import UserError
 from andrea_jax.config import padded_vocab_size
 from andrea_jax.model import mlp_hidden_dim, non_gpt2_features
 
@@ -59,53 +61,42 @@ def _block_to_gpt2(block: Mapping, i: int) -> dict[str, np.ndarray]:
 
 def stack_blocks(blocks: list[Mapping]) -> dict:
     """Per-block param trees -> one tree with a leading layer axis (scan layout)."""
-    if isinstance(blocks[0], Mapping):
-        return {k: stack_blocks([b[k] for b in blocks]) for k in blocks[0]}
-    return np.stack([np.asarray(b) for b in blocks])
-
-
-def unstack_blocks(stacked: Mapping, n_layer: int) -> list[dict]:
-    """The inverse of `stack_blocks`."""
-    def take(tree, i):
-        return {k: take(v, i) for k, v in tree.items()} if isinstance(tree, Mapping) else np.asarray(tree)[i]
-    return [take(stacked, i) for i in range(n_layer)]
+    return jax.tree.map(lambda *layers: np.stack(layers), *blocks)
 
 
 def check_gpt2_architecture(m: ml_collections.ConfigDict) -> None:
     """GPT-2 weights describe a pre-norm, residual, GELU model; an ablation variant is something else."""
     features = non_gpt2_features(m)
     if features:
-        raise ValueError(f"{'; '.join(features)}: not GPT-2's architecture (pre-norm, residual, GELU), so GPT-2 "
+        raise UserError(f"{'; '.join(features)}: not GPT-2's architecture (pre-norm, residual, GELU), so GPT-2 "
                          f"weights cannot hold the model; set them back to their defaults")
 
 
-def _check_shapes(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) -> None:
-    wte = sd.get(PREFIX + "wte.weight")
-    if wte is None:
-        raise ValueError(f"no '{PREFIX}wte.weight' in the state dict: pass a GPT2LMHeadModel state dict")
-    n_layer = len({k.split(".")[2] for k in sd if k.startswith(PREFIX + "h.")})
-    found = dict(n_layer=n_layer, d_model=wte.shape[1], vocab_size=wte.shape[0],
-                 max_len=sd[PREFIX + "wpe.weight"].shape[0],
-                 mlp_dim=sd[PREFIX + "h.0.mlp.c_fc.weight"].shape[1])
-    mlp_width = found.pop("mlp_dim")
-    if mlp_hidden_dim(m) != mlp_width:
-        raise ValueError(f"the GPT-2 weights have mlp_dim={mlp_width} but the config gives an MLP width of "
-                         f"{mlp_hidden_dim(m)}; set --config.model.mlp_ratio=0 --config.model.mlp_dim={mlp_width}")
-    for key, value in found.items():
-        if int(m[key]) != value:
-            raise ValueError(f"the GPT-2 weights have {key}={value} but model.{key}={m[key]}; "
-                             f"set --config.model.{key}={value}")
+def gpt2_shapes(sd: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """The model config keys a GPT-2 state dict's weights fix."""
+    wte = sd[PREFIX + "wte.weight"]
+    return {"n_layer": len({k.split(".")[2] for k in sd if k.startswith(PREFIX + "h.")}),
+            "d_model": int(wte.shape[1]), "vocab_size": int(wte.shape[0]),
+            "max_len": int(sd[PREFIX + "wpe.weight"].shape[0]),
+            "mlp_dim": int(sd[PREFIX + "h.0.mlp.c_fc.weight"].shape[1])}
 
 
 def from_gpt2(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) -> dict:
     """HF GPT2LMHeadModel state dict (numpy arrays) -> float32 params of `Transformer(m)`."""
     check_gpt2_architecture(m)
     sd = {k: np.asarray(v, dtype=np.float32) for k, v in sd.items() if not k.endswith((".attn.bias", ".masked_bias"))}
-    _check_shapes(sd, m)
+    shapes = gpt2_shapes(sd)
+    mlp_width = shapes.pop("mlp_dim")
+    if mlp_hidden_dim(m) != mlp_width:
+        raise UserError(f"the GPT-2 weights have mlp_dim={mlp_width} but the config gives an MLP width of "
+                         f"{mlp_hidden_dim(m)}; set --config.model.mlp_ratio=0 --config.model.mlp_dim={mlp_width}")
+    for key, value in shapes.items():
+        if int(m[key]) != value:
+            raise UserError(f"the GPT-2 weights have {key}={value} but model.{key}={m[key]}; "
+                             f"set --config.model.{key}={value}")
     wte = sd[PREFIX + "wte.weight"]
-    vocab_rows = padded_vocab_size(m)
     # Padding rows get zeros: they are masked out of the logits anyway.
-    token_embed = np.zeros((vocab_rows, wte.shape[1]), np.float32)
+    token_embed = np.zeros((padded_vocab_size(m), wte.shape[1]), np.float32)
     token_embed[: wte.shape[0]] = wte
     blocks = [_block_from_gpt2(sd, i, m.n_head) for i in range(m.n_layer)]
     params = {
@@ -121,11 +112,12 @@ def from_gpt2(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) -> dic
 
 
 def to_gpt2(params: Mapping, m: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-    """Params of `Transformer(m)` -> HF GPT2LMHeadModel state dict (numpy float32)."""
-    check_gpt2_architecture(m)
-    params = _to_numpy(params)
+    """Params of `Transformer(m)` -> HF GPT2LMHeadModel state dict (numpy float32).
+
+    `m` must pass `check_gpt2_architecture`: its caller checks, before reading any weights."""
+    params = jax.tree.map(np.asarray, params)
     if m.scan_layers:
-        blocks = unstack_blocks(params["blocks"]["block"], m.n_layer)
+        blocks = [jax.tree.map(lambda layers: layers[i], params["blocks"]["block"]) for i in range(m.n_layer)]
     else:
         blocks = [params[f"block_{i}"] for i in range(m.n_layer)]
     wte = params["token_embed"][: m.vocab_size]
@@ -139,9 +131,3 @@ def to_gpt2(params: Mapping, m: ml_collections.ConfigDict) -> dict[str, np.ndarr
     for i, block in enumerate(blocks):
         sd.update(_block_to_gpt2(block, i))
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in sd.items()}
-
-
-def _to_numpy(tree):
-    if isinstance(tree, Mapping):
-        return {k: _to_numpy(v) for k, v in tree.items()}
-    return np.asarray(tree)
