@@ -7,12 +7,14 @@ log, evaluate and checkpoint. The host only waits for the device to log.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import signal
 import sys
 import time
 from functools import partial
-from typing import Any
+from typing import Any, Iterator
 
 import flax.linen as nn
 import jax
@@ -37,34 +39,28 @@ class TrainingStopped(UserError):
     """The run stopped on purpose (non-finite loss); the message says what to do."""
 
 
-class _StopSignal:
-    """Remembers SIGTERM/SIGINT so the loop can finish the step and save first."""
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[list[str]]:
+    """Remembers SIGTERM/SIGINT (their names, in the list it yields) so the loop can finish the step and save first."""
+    received: list[str] = []
+    previous = {}
 
-    def __init__(self):
-        self.received: str | None = None
-        self.announced = False
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: signals stay with the caller
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        # Only a flag: printing here could re-enter a write the progress bar is in the middle of.
-        self.received = signal.Signals(signum).name
+    def remember(signum, frame):
+        # Only a note: printing here could re-enter a write the progress bar is in the middle of.
+        received.append(signal.Signals(signum).name)
         # A second Ctrl-C stops at once.
-        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+        signal.signal(signal.SIGINT, previous.get(signal.SIGINT, signal.default_int_handler))
 
-    def __exit__(self, *exc_info):
-        for sig, handler in self._previous.items():
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[sig] = signal.signal(sig, remember)
+        except ValueError:  # not the main thread: signals stay with the caller
+            pass
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-_held_locks: list[int] = []
 
 
 def _barrier(name: str):
@@ -73,11 +69,12 @@ def _barrier(name: str):
     return lambda: multihost_utils.sync_global_devices(name)
 
 
-def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, device: Any = None
-                ) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
+def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, held: contextlib.ExitStack,
+                device: Any = None) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
     """Checks the workdir, prepares the data, fills in the tokenizer's vocabulary size and what
     "auto" stands for on `device` (`resolve.for_devices`; config validated). Returns (prepared data,
-    config, the config the workdir's run was started with or None)."""
+    config, the config the workdir's run was started with or None); the leader's lock on the workdir
+    is released with `held`."""
     saved = run_dir.load_saved_config(workdir)
     read_by_all = _barrier("andrea_config_read")
     if read_by_all is not None:
@@ -90,8 +87,7 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, d
         run_dir.check_compatible(saved, config, workdir)
 
     def as_leader():
-        lock = run_dir.hold(workdir)  # one run per workdir: before anything is written to it
-        _held_locks.append(lock)
+        held.callback(os.close, run_dir.hold(workdir))  # one run per workdir: before anything is written to it
         if saved is None:
             run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
         return pipeline.prepare(config, workdir, is_leader=True)
@@ -106,18 +102,15 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, d
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None = None) -> dict:
-    """Runs (or resumes) the run in `workdir` on `devices` (default: all); returns the last logged record.
+    """Runs (or resumes) the run in `workdir` on `devices` (default: all); returns the latest logged figures.
 
-    Process 0 holds the workdir's lock (`workdir.hold`) from before anything is written until the end.
+    Process 0 holds the workdir's lock (`run_dir.hold`) from before anything is written until the end.
     """
-    try:
-        return _train(config, workdir, devices)
-    finally:
-        while _held_locks:
-            os.close(_held_locks.pop())
+    with contextlib.ExitStack() as held:
+        return _train(config, workdir, devices, held)
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None) -> dict:
+def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None, held: contextlib.ExitStack) -> dict:
     leader = jax.process_index() == 0
     validate(config)
     mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation
@@ -125,7 +118,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
     if config.hellaswag.every:  # before the data work: offline, an unprepared TFDS HellaSwag stops in seconds
         read = lambda: hellaswag.load(config.hellaswag.source, config.data.tfds_data_dir)
         hellaswag_examples = leader_first(leader, read, read, "prepare the HellaSwag examples")
-    prepared, config, saved = prepare_run(config, workdir, leader, device=mesh.devices.flat[0])
+    prepared, config, saved = prepare_run(config, workdir, leader, held, device=mesh.devices.flat[0])
     hellaswag_rows = None if hellaswag_examples is None else \
         hellaswag.rows_of(hellaswag_examples, config.hellaswag.examples, prepared.tokenizer)
     axis_rules = sharding.rules(config)
@@ -187,25 +180,23 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
           ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
     config, leader = steps.config, jax.process_index() == 0
     batch_sharding = sharding.batch_sharding(mesh)
-    tokens_per_step = config.batch_size * config.seq_len
-    flops_per_step = flops.flops_per_token(config.model, config.seq_len) * tokens_per_step
+    flops_per_token = flops.flops_per_token(config.model, config.seq_len)
     val_windows = config.batch_size * min(config.eval_batches, batcher.num_val_batches(
         prepared.val.num_tokens, config.batch_size, config.seq_len))
-    # The per-token losses of the validation step's batch shape: compiled at the first HellaSwag score.
-    hellaswag_step = hellaswag.make_step(config, mesh) if hellaswag_rows is not None else None
 
     def make_batch(step: int) -> np.ndarray:
         return batcher.train_batch(prepared.train.tokens, seed=config.seed, step=step, batch_size=config.batch_size,
                                    seq_len=config.seq_len, process_index=jax.process_index(),
                                    process_count=jax.process_count())
 
-    meta = {"tokenizer_sha256": prepared.tokenizer.sha256, "config": config.to_dict()}
-    last_record: dict = {}
+    last_record: dict = {}  # the latest value of every logged figure
     pending: list[tuple[int, dict]] = []  # device metrics since the last host read
     # Host-side losses of the steps since the last log record. A checkpoint carries them,
     # so the first record after a resume averages the same steps as an unbroken run.
     interval_losses = [np.float32(loss) for loss in carried_losses]
-    interval_start, interval_steps = time.perf_counter(), 0
+    # When the throughput interval began, and its steps; each action restarts it, so its time is not counted.
+    interval = [time.perf_counter(), 0]
+    progress = tqdm(total=config.steps, initial=start_step, disable=not leader, dynamic_ncols=True, desc="train")
 
     def drain() -> list[tuple[int, dict]]:
         """Reads pending metrics (the one place the host waits) and stops on a non-finite step."""
@@ -214,94 +205,93 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
         for at, record in values:
             if not record["finite"]:
                 kept = ckpt.steps()
-                if "loss_scale" in record:
-                    raise TrainingStopped(
-                        f"float16 overflowed at step {at + 1} (loss {record['loss']}, loss scale "
-                        f"{record['loss_scale']}); nothing was saved after it, the last good checkpoint is "
-                        f"{'step ' + str(kept[-1]) if kept else 'none'}; compute in bfloat16 where the hardware "
-                        f"has it, or --config.model.dtype=float32, in a new run")
-                raise TrainingStopped(
-                    f"loss or gradients became non-finite at step {at + 1} (loss {record['loss']}, grad norm "
-                    f"{record['grad_norm']}); nothing was saved after it, the last good checkpoint is "
-                    f"{'step ' + str(kept[-1]) if kept else 'none'}; lower optimizer.learning_rate or raise "
-                    f"optimizer.warmup_steps and resume")
+                what, fix = (
+                    (f"float16 overflowed at step {at + 1} (loss {record['loss']}, loss scale {record['loss_scale']})",
+                     "compute in bfloat16 where the hardware has it, or --config.model.dtype=float32, in a new run")
+                    if "loss_scale" in record else
+                    (f"loss or gradients became non-finite at step {at + 1} (loss {record['loss']}, grad norm "
+                     f"{record['grad_norm']})",
+                     "lower optimizer.learning_rate or raise optimizer.warmup_steps and resume"))
+                raise TrainingStopped(f"{what}; nothing was saved after it, the last good checkpoint is "
+                                      f"{'step ' + str(kept[-1]) if kept else 'none'}; {fix}")
         interval_losses.extend(np.float32(record["loss"]) for _, record in values)
         return values
 
-    progress = tqdm(total=config.steps, initial=start_step, disable=not leader, dynamic_ncols=True,
-                    desc="train")
-    with _StopSignal() as stop, batcher.Prefetcher(make_batch, start_step, batch_sharding) as batches:
-        for step in range(start_step, config.steps):
-            _, batch = next(batches)
+    # The periodic actions: each takes (step done, state) and returns the record it logs.
+    def train_metrics(done: int, state: dict) -> dict:
+        latest = drain()[-1][1]
+        tokens_per_second = interval[1] * config.batch_size * config.seq_len / (time.perf_counter() - interval[0])
+        record = {
+            "loss": float(np.mean(interval_losses)), "lr": float(latest["lr"]), "grad_norm": float(latest["grad_norm"]),
+            "tokens_per_second": tokens_per_second,
+            **({} if peak is None else {"mfu": tokens_per_second * flops_per_token / (peak * mesh.devices.size)}),
+            # config.diagnostics: the per-block figures of the interval's last step; float16: the loss
+            # scale, and how many steps it has skipped since the start
+            **{key: float(value) for key, value in latest.items()
+               if key.startswith("diag/") or key in ("loss_scale", "skipped_steps")},
+        }
+        interval_losses.clear()
+        progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:,.0f}",
+                             **({"mfu": f"{100 * record['mfu']:.1f}%"} if "mfu" in record else {}))
+        return record
+
+    def val_loss(done: int, state: dict) -> dict:
+        loss = evaluate.mean_loss(steps.eval, state["params"], prepared.val.tokens, val_windows, config,
+                                  batch_sharding)
+        progress.write(f"step {done}: val_loss {loss:.4f}")
+        return {"val_loss": loss}
+
+    def hellaswag_scores(done: int, state: dict) -> dict:
+        scored = hellaswag.metrics_of(hellaswag.score(hellaswag_step, state["params"], hellaswag_rows, config,
+                                                      batch_sharding))
+        progress.write(f"step {done}: hellaswag acc {scored['hellaswag/acc']:.4f} ± "
+                       f"{scored['hellaswag/acc_stderr']:.4f}, acc_norm {scored['hellaswag/acc_norm']:.4f} ± "
+                       f"{scored['hellaswag/acc_norm_stderr']:.4f} ({len(hellaswag_rows.labels)} examples)")
+        return scored
+
+    actions = [(config.log_every, train_metrics), (config.eval_every, val_loss)]
+    if hellaswag_rows is not None:
+        hellaswag_step = hellaswag.make_step(config, mesh)  # per-token validation losses, compiled when first run
+        actions.append((config.hellaswag.every, hellaswag_scores))
+
+    def save(done: int, state: dict) -> None:
+        drain()  # never save a state that followed a non-finite step
+        ckpt.save(done, state, {"tokenizer_sha256": prepared.tokenizer.sha256, "config": config.to_dict(),
+                                "data_step": done, "log_interval_losses": [float(loss) for loss in interval_losses]})
+
+    stopping = announced = False
+    prefetched = batcher.prefetch(make_batch, start_step, batch_sharding)
+    with _stop_signals() as received, contextlib.closing(prefetched) as batches:
+        for step, batch in itertools.islice(batches, config.steps - start_step):
             state, step_metrics = steps.train(state, batch)
             pending.append((step, step_metrics))
-            interval_steps += 1
-            done = step + 1
+            done, interval[1] = step + 1, interval[1] + 1
             progress.update(1)
-
-            if done % config.log_every == 0 or done == config.steps:
-                values = drain()
-                elapsed = time.perf_counter() - interval_start
-                tokens_per_second = interval_steps * tokens_per_step / elapsed
-                last_record = {
-                    "loss": float(np.mean(interval_losses)),
-                    "lr": float(values[-1][1]["lr"]), "grad_norm": float(values[-1][1]["grad_norm"]),
-                    "tokens_per_second": tokens_per_second,
-                    **({} if peak is None else
-                       {"mfu": flops_per_step * interval_steps / elapsed / (peak * mesh.devices.size)}),
-                    # config.diagnostics: the per-block figures of the interval's last step
-                    **{key: float(value) for key, value in values[-1][1].items() if key.startswith("diag/")},
-                    # float16: the loss scale, and how many steps it has skipped since the start
-                    **{key: float(values[-1][1][key]) for key in ("loss_scale", "skipped_steps")
-                       if key in values[-1][1]},
-                }
-                writer.write(done, last_record)
-                interval_losses.clear()
-                progress.set_postfix(loss=f"{last_record['loss']:.3f}", tok_s=f"{tokens_per_second:,.0f}",
-                                     **({"mfu": f"{100 * last_record['mfu']:.1f}%"} if "mfu" in last_record else {}))
-                interval_start, interval_steps = time.perf_counter(), 0
-
-            if done % config.eval_every == 0 or done == config.steps:
-                val_loss = evaluate.mean_loss(steps.eval, state["params"], prepared.val.tokens, val_windows, config,
-                                              batch_sharding)
-                writer.write(done, {"val_loss": val_loss})
-                last_record = {**last_record, "val_loss": val_loss}
-                progress.write(f"step {done}: val_loss {val_loss:.4f}")
-                interval_start, interval_steps = time.perf_counter(), 0
-
-            if hellaswag_step is not None and (done % config.hellaswag.every == 0 or done == config.steps):
-                scored = hellaswag.metrics_of(hellaswag.score(hellaswag_step, state["params"], hellaswag_rows,
-                                                              config, batch_sharding))
-                writer.write(done, scored)
-                last_record = {**last_record, **scored}
-                progress.write(f"step {done}: hellaswag acc {scored['hellaswag/acc']:.4f} ± "
-                               f"{scored['hellaswag/acc_stderr']:.4f}, acc_norm {scored['hellaswag/acc_norm']:.4f} ± "
-                               f"{scored['hellaswag/acc_norm_stderr']:.4f} ({len(hellaswag_rows.labels)} examples)")
-                interval_start, interval_steps = time.perf_counter(), 0
-
-            if stop.received and not stop.announced:
-                stop.announced = True
-                progress.write(f"{stop.received} received: saving a checkpoint, then stopping "
+            for every, action in actions:
+                if done % every == 0 or done == config.steps:
+                    record = action(done, state)
+                    writer.write(done, record)
+                    last_record.update(record)
+                    interval[:] = time.perf_counter(), 0
+            if received and not announced:
+                announced = True
+                progress.write(f"{received[0]} received: saving a checkpoint, then stopping "
                                f"(with several processes, at the next log step)", file=sys.stderr)
-            stopping = _agreed(stop.received is not None, done, config)
+            stopping = _agreed(bool(received), done, config)
             if done % config.checkpoint_every == 0 or done == config.steps or stopping:
-                drain()  # never save a state that followed a non-finite step
-                ckpt.save(done, state, {**meta, "data_step": done,
-                                        "log_interval_losses": [float(loss) for loss in interval_losses]})
-                interval_start, interval_steps = time.perf_counter(), 0
+                save(done, state)
+                interval[:] = time.perf_counter(), 0
             if stopping:
-                ckpt.wait()
-                progress.close()
-                if leader:
-                    print(f"stopped at step {done} on {stop.received or 'a signal to another process'}; "
-                          f"checkpoint saved in {ckpt.directory}; run the same command to resume", flush=True)
-                return {**last_record, "stopped_at": done}
+                break
     progress.close()
     ckpt.wait()
-    if leader:
+    if leader and stopping:
+        print(f"stopped at step {done} on {received[0] if received else 'a signal to another process'}; "
+              f"checkpoint saved in {ckpt.directory}; run the same command to resume", flush=True)
+    elif leader:
         print(f"finished step {config.steps}; the last checkpoint is "
               f"{os.path.join(ckpt.directory, str(ckpt.steps()[-1]))}", flush=True)
-    return last_record
+    return {**last_record, "stopped_at": done} if stopping else last_record
 
 
 def _report_schedule_change(saved: ml_collections.ConfigDict | None, config: ml_collections.ConfigDict,

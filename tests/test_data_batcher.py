@@ -1,3 +1,4 @@
+import contextlib
 import threading
 import time
 
@@ -86,6 +87,10 @@ def test_to_global_places_the_batch_on_all_devices():
     np.testing.assert_array_equal(np.asarray(array), local)
 
 
+def prefetch_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("batch-prefetch") and t.is_alive()]
+
+
 def test_prefetcher_yields_the_batches_of_consecutive_steps():
     sharding = batch_sharding()
     size = 2 * jax.device_count()
@@ -93,9 +98,9 @@ def test_prefetcher_yields_the_batches_of_consecutive_steps():
     def make_batch(step):
         return batcher.train_batch(TOKENS, seed=1, step=step, batch_size=size, seq_len=16)
 
-    with batcher.Prefetcher(make_batch, start_step=40, sharding=sharding) as prefetcher:
+    with contextlib.closing(batcher.prefetch(make_batch, start_step=40, sharding=sharding)) as batches:
         for expected_step in range(40, 46):
-            step, array = next(prefetcher)
+            step, array = next(batches)
             assert step == expected_step
             np.testing.assert_array_equal(np.asarray(array), make_batch(step))
 
@@ -106,22 +111,29 @@ def test_prefetcher_raises_the_error_of_make_batch_and_closes():
             raise DataError("bad step")
         return np.zeros((jax.device_count(), 4), np.int32)
 
-    prefetcher = batcher.Prefetcher(make_batch, 0, batch_sharding(), depth=1)
-    assert next(prefetcher)[0] == 0
-    assert next(prefetcher)[0] == 1
+    batches = batcher.prefetch(make_batch, 0, batch_sharding(), depth=1)
+    assert next(batches)[0] == 0
+    assert next(batches)[0] == 1
     with pytest.raises(DataError, match="bad step"):
-        next(prefetcher)
-    prefetcher.close()
-    assert not any(t.name.startswith("batch-prefetch") and t.is_alive() for t in threading.enumerate())
+        next(batches)
+    assert not prefetch_threads()  # the error ended the generator, and its thread with it
 
 
 def test_prefetcher_close_stops_a_full_queue():
-    prefetcher = batcher.Prefetcher(lambda step: np.zeros((jax.device_count(), 4), np.int32), 0,
-                                    batch_sharding(), depth=2)
-    time.sleep(0.2)  # let it fill the queue and block
-    prefetcher.close()
+    started = []
+
+    def make_batch(step):
+        started.append(step)
+        time.sleep(0.3 if step else 0)
+        return np.zeros((jax.device_count(), 4), np.int32)
+
+    batches = batcher.prefetch(make_batch, 0, batch_sharding(), depth=2)
+    assert next(batches)[0] == 0
+    time.sleep(0.1)  # step 1 is being built, step 2 waits its turn
+    batches.close()
+    assert started == [0, 1] and not prefetch_threads()  # step 2 was dropped, not built
     with pytest.raises(StopIteration):
-        next(prefetcher)
+        next(batches)
 
 
 def test_batcher_delivers_far_more_than_a_million_tokens_per_second():

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-from typing import Callable
+import itertools
+from typing import Callable, Iterator
 
 import jax
 import numpy as np
@@ -80,42 +81,18 @@ def to_global(local_batch: np.ndarray, sharding: jax.sharding.Sharding) -> jax.A
     return jax.make_array_from_process_local_data(sharding, local_batch)
 
 
-class Prefetcher:
+def prefetch(make_batch: Callable[[int], np.ndarray], start_step: int, sharding: jax.sharding.Sharding,
+             depth: int = 2) -> Iterator[tuple[int, jax.Array]]:
     """Yields (step, global batch) from start_step on, each built and put on the devices `depth` steps
     ahead by a background thread, so the accelerator does not wait for the host. An error in
-    `make_batch` is raised by `next`."""
-
-    def __init__(self, make_batch: Callable[[int], np.ndarray], start_step: int,
-                 sharding: jax.sharding.Sharding, depth: int = 2) -> None:
-        self._build = lambda step: (step, to_global(make_batch(step), sharding))
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-prefetch")
-        self._ahead: collections.deque = collections.deque()
-        self._next_step, self._closed = start_step, False
-        for _ in range(max(1, depth)):
-            self._submit()
-
-    def _submit(self) -> None:
-        self._ahead.append(self._pool.submit(self._build, self._next_step))
-        self._next_step += 1
-
-    def __iter__(self) -> "Prefetcher":
-        return self
-
-    def __next__(self) -> tuple[int, jax.Array]:
-        if self._closed:
-            raise StopIteration
-        self._submit()
-        return self._ahead.popleft().result()
-
-    def close(self) -> None:
-        """Stops the thread and drops the batches it had ready."""
-        self._closed = True
-        for future in self._ahead:
-            future.cancel()
-        self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> "Prefetcher":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    `make_batch` is raised by `next`; closing the generator stops the thread and drops the batches
+    it had ready."""
+    build = lambda step: (step, to_global(make_batch(step), sharding))
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-prefetch")
+    ahead = collections.deque(pool.submit(build, step) for step in range(start_step, start_step + max(1, depth)))
+    try:
+        for step in itertools.count(start_step + len(ahead)):
+            ahead.append(pool.submit(build, step))
+            yield ahead.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
