@@ -44,7 +44,7 @@ def test_config_accepts_auto_and_names_the_choices_on_a_typo():
     c.model.dtype = "auto"
     validate(c)
     c.model.dtype = "bf16"
-    with pytest.raises(ConfigError, match="not one of auto, float32, bfloat16, float16"):
+    with pytest.raises(ConfigError, match="not one of 'auto', 'float32', 'bfloat16', 'float16'"):
         validate(c)
 
 
