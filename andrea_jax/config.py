@@ -129,54 +129,10 @@ def padded_vocab_size(model_config: ml_collections.ConfigDict) -> int:
     return -(-int(model_config.vocab_size) // multiple) * multiple
 
 
-ATTENTION_CHOICES = ("auto", "xla", "cudnn", "splash")
-
-
 def splash_takes_head_dim(width: int) -> bool:
     """Whether the TPU splash kernel (`attention.py`) takes heads this wide: it keeps a head's
     vector whole in the 128 lanes of a vector register, so up to 128 or a multiple of 128."""
     return width <= 128 or width % 128 == 0
-
-
-def validate_model(m: ml_collections.ConfigDict) -> None:
-    """Checks on the model section alone."""
-    for key in ("n_layer", "d_model", "n_head", "mlp_dim", "max_len"):
-        if int(m[key]) < 1:
-            raise ConfigError(f"model.{key}={m[key]} must be at least 1")
-    if m.d_model % m.n_head:
-        divisors = [h for h in range(1, m.d_model + 1) if m.d_model % h == 0 and h <= 64]
-        raise ConfigError(
-            f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
-            f"pick a divisor such as {divisors[-1]}")
-    if m.vocab_size < 0:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} must be positive (0 = from the tokenizer)")
-    if m.vocab_pad_multiple < 1:
-        raise ConfigError(f"model.vocab_pad_multiple={m.vocab_pad_multiple} must be at least 1 (1 = no padding)")
-    if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"model.dtype={m.dtype!r} is not one of auto, float32, bfloat16, float16")
-    if m.attention not in ATTENTION_CHOICES:
-        raise ConfigError(f"model.attention={m.attention!r} is not one of {', '.join(map(repr, ATTENTION_CHOICES))}")
-    if m.attention == "splash" and not splash_takes_head_dim(m.d_model // m.n_head):
-        raise ConfigError(f"model.attention='splash' takes heads up to 128 wide or a multiple of 128, not "
-                          f"{m.d_model // m.n_head} (d_model / n_head); change n_head or use 'auto'")
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
-    norm_position, residual, activation, mlp_ratio = m.norm_position, m.residual, m.activation, m.mlp_ratio
-    if norm_position not in ("pre", "post"):
-        raise ConfigError(f"model.norm_position={norm_position!r} is not one of 'pre', 'post'")
-    if not isinstance(residual, bool):
-        raise ConfigError(f"model.residual={residual!r} must be True or False")
-    if activation not in ("gelu_tanh", "gelu_exact", "relu", "swiglu"):
-        raise ConfigError(f"model.activation={activation!r} is not one of 'gelu_tanh', 'gelu_exact', "
-                          f"'relu', 'swiglu'")
-    if mlp_ratio < 0:
-        raise ConfigError(f"model.mlp_ratio={mlp_ratio} must be >= 0 (0 = use model.mlp_dim)")
-    if mlp_ratio > 0:
-        width = mlp_ratio * m.d_model
-        if width < 1 or abs(width - round(width)) > 1e-6:
-            raise ConfigError(
-                f"model.mlp_ratio={mlp_ratio} × model.d_model={m.d_model} = {width:g} is not a whole "
-                f"number of units; pick a ratio that gives one, or set mlp_ratio=0 and model.mlp_dim")
 
 
 def hellaswag_source_problem(source: str) -> str | None:
@@ -190,46 +146,70 @@ def hellaswag_source_problem(source: str) -> str | None:
     return None
 
 
-def validate_hellaswag(h: ml_collections.ConfigDict) -> None:
-    for key in ("every", "examples"):
-        if int(h[key]) < 0:
-            raise ConfigError(f"hellaswag.{key}={h[key]} must be >= 0 (0 = {'never' if key == 'every' else 'all'})")
-    problem = hellaswag_source_problem(str(h.source)) if h.every else None
-    if problem:
-        raise ConfigError(f"hellaswag.source: {problem}; or hellaswag.every=0 (no HellaSwag in training)")
+def _at_least(low: int, meaning: str = "") -> tuple:
+    return (lambda value: value >= low), f"must be >= {low}" + (f" ({meaning})" if meaning else "")
+
+
+def _one_of(*choices: str) -> tuple:
+    return (lambda value: value in choices), "is not one of " + ", ".join(map(repr, choices))
+
+
+_MESH_SIZE = (lambda size: size == -1 or size >= 1), "must be a positive size or -1 (the remaining devices)"
+
+# (key, (whether a value is allowed, what the error says it must be)), checked in this order.
+RULES = (
+    *((key, _at_least(1)) for key in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every",
+                                       "keep_checkpoints", "model.n_layer", "model.d_model", "model.n_head",
+                                       "model.mlp_dim", "model.max_len")),
+    ("microbatches", _at_least(0, "0 = the fewest that fit the device")),
+    ("model.vocab_size", _at_least(0, "0 = from the tokenizer")),
+    ("model.vocab_pad_multiple", _at_least(1, "1 = no padding")),
+    ("model.dtype", _one_of("auto", "float32", "bfloat16", "float16")),
+    ("model.attention", _one_of("auto", "xla", "cudnn", "splash")),
+    ("model.dropout", ((lambda value: 0.0 <= value < 1.0), "must be in [0, 1)")),
+    ("model.norm_position", _one_of("pre", "post")),
+    ("model.residual", ((lambda value: isinstance(value, bool)), "must be True or False")),
+    ("model.activation", _one_of("gelu_tanh", "gelu_exact", "relu", "swiglu")),
+    ("model.mlp_ratio", _at_least(0, "0 = use model.mlp_dim")),
+    ("hellaswag.every", _at_least(0, "0 = never")),
+    ("hellaswag.examples", _at_least(0, "0 = all")),
+    ("optimizer.decay", _one_of("cosine", "linear", "constant")),
+    ("optimizer.min_learning_rate_ratio", ((lambda value: 0.0 <= value <= 1.0), "must be in [0, 1]")),
+    ("optimizer.grad_clip_norm", ((lambda value: value > 0), "must be positive (a clip of 0 zeroes every gradient); "
+                                                             "use a large value such as 1e9 to turn clipping off")),
+    ("optimizer.warmup_steps", _at_least(0)),
+    *((f"mesh.{axis}", _MESH_SIZE) for axis in ("data", "fsdp", "tensor")),
+)
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
-    """Checks that need no devices; mesh checks live in `sharding.make_mesh`."""
-    validate_model(c.model)
-    if c.seq_len > c.model.max_len:
+    """Checks that need no devices; the mesh and the micro-batch split are checked by `sharding.make_mesh`."""
+    for key, (allowed, requirement) in RULES:
+        value = c
+        for part in key.split("."):
+            value = value[part]
+        if not allowed(value):
+            raise ConfigError(f"{key}={value!r} {requirement}")
+    m = c.model
+    if m.d_model % m.n_head:
+        divisors = [h for h in range(1, m.d_model + 1) if m.d_model % h == 0 and h <= 64]
         raise ConfigError(
-            f"seq_len={c.seq_len} exceeds model.max_len={c.model.max_len}; "
+            f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
+            f"pick a divisor such as {divisors[-1]}")
+    if m.attention == "splash" and not splash_takes_head_dim(m.d_model // m.n_head):
+        raise ConfigError(f"model.attention='splash' takes heads up to 128 wide or a multiple of 128, not "
+                          f"{m.d_model // m.n_head} (d_model / n_head); change n_head or use 'auto'")
+    width = m.mlp_ratio * m.d_model
+    if m.mlp_ratio > 0 and (width < 1 or abs(width - round(width)) > 1e-6):
+        raise ConfigError(
+            f"model.mlp_ratio={m.mlp_ratio} × model.d_model={m.d_model} = {width:g} is not a whole "
+            f"number of units; pick a ratio that gives one, or set mlp_ratio=0 and model.mlp_dim")
+    if c.seq_len > m.max_len:
+        raise ConfigError(
+            f"seq_len={c.seq_len} exceeds model.max_len={m.max_len}; "
             f"lower seq_len or raise model.max_len")
-    for key in ("steps", "batch_size", "seq_len", "log_every",
-                "eval_every", "checkpoint_every", "keep_checkpoints"):
-        if int(c[key]) < 1:
-            raise ConfigError(f"{key}={c[key]} must be at least 1")
-    if c.microbatches < 0:
-        raise ConfigError(f"microbatches={c.microbatches} must be >= 0 (0 = the fewest that fit the device)")
-    if c.microbatches and c.batch_size % c.microbatches:
-        raise ConfigError(
-            f"batch_size={c.batch_size} is not divisible by microbatches={c.microbatches}; "
-            f"make batch_size a multiple of microbatches")
-    validate_hellaswag(c.hellaswag)
-    o = c.optimizer
-    if o.decay not in ("cosine", "linear", "constant"):
-        raise ConfigError(f"optimizer.decay={o.decay!r} is not one of cosine, linear, constant")
-    if not 0.0 <= o.min_learning_rate_ratio <= 1.0:
-        raise ConfigError(f"optimizer.min_learning_rate_ratio={o.min_learning_rate_ratio} must be in [0, 1]")
-    if o.grad_clip_norm <= 0:
-        raise ConfigError(f"optimizer.grad_clip_norm={o.grad_clip_norm} must be positive (a clip of 0 zeroes "
-                          f"every gradient); use a large value such as 1e9 to turn clipping off")
-    if o.warmup_steps < 0:
-        raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
-    for axis in ("data", "fsdp", "tensor"):
-        size = int(c.mesh[axis])
-        if size == 0 or size < -1:
-            raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (the remaining devices)")
+    problem = hellaswag_source_problem(str(c.hellaswag.source)) if c.hellaswag.every else None
+    if problem:
+        raise ConfigError(f"hellaswag.source: {problem}; or hellaswag.every=0 (no HellaSwag in training)")
     if sum(int(c.mesh[a]) == -1 for a in ("data", "fsdp", "tensor")) > 1:
         raise ConfigError("only one of mesh.data, mesh.fsdp, mesh.tensor may be -1")

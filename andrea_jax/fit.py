@@ -79,10 +79,9 @@ def device_memory_limit() -> int | None:
 
 
 def microbatch_choices(config: ml_collections.ConfigDict, mesh: Mesh) -> list[int]:
-    """Micro-batch counts that divide the batch into parts that still split over the data-parallel devices."""
+    """Micro-batch counts that pass `sharding.make_mesh`'s check: each part splits over the data-parallel devices."""
     data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
-    return [m for m in range(1, config.batch_size + 1)
-            if config.batch_size % m == 0 and (config.batch_size // m) % data_parallel == 0]
+    return [m for m in range(1, config.batch_size + 1) if config.batch_size % (m * data_parallel) == 0]
 
 
 def compiler_options(mesh: Mesh) -> dict[str, bool]:

@@ -54,15 +54,13 @@ def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[Any] | None =
     """The (data, fsdp, tensor) mesh over all devices of all processes."""
     devices = list(devices) if devices is not None else jax.devices()
     shape = mesh_shape(config.mesh, len(devices))
-    data_parallel = shape[0] * shape[1]
-    if config.batch_size % data_parallel:
+    # The one check of the batch split: the step cuts the batch into micro-batches (0 stands for 1
+    # until `fit` picks a count that splits) and spreads each one's rows over the data-parallel devices.
+    parts = max(1, config.microbatches) * shape[0] * shape[1]
+    if config.batch_size % parts:
         raise ConfigError(
-            f"batch_size={config.batch_size} is not divisible by the data-parallel size "
-            f"{data_parallel} (mesh.data × mesh.fsdp); use a multiple of {data_parallel}")
-    if config.microbatches and (config.batch_size // config.microbatches) % data_parallel:
-        raise ConfigError(
-            f"each micro-batch of {config.batch_size // config.microbatches} sequences must split over "
-            f"{data_parallel} data-parallel devices; lower microbatches or raise batch_size")
+            f"batch_size={config.batch_size} does not split over microbatches × mesh.data × mesh.fsdp = "
+            f"{max(1, config.microbatches)} × {shape[0]} × {shape[1]}; make it a multiple of {parts} or change those")
     # Auto axes: Flax's logical partitioning works with them, not with Explicit ones.
     return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
                          devices=devices)

@@ -37,30 +37,19 @@ def init_state(rng: jax.Array, config: ml_collections.ConfigDict, tx: optax.Grad
     return state
 
 
-def _loss_and_collections(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
-                          dropout_rng: jax.Array | None, collections: tuple[str, ...]) -> tuple[jax.Array, dict]:
-    """Next-token losses [B, L], and the model collections it was asked to fill in the pass."""
+def token_losses(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
+                 dropout_rng: jax.Array | None = None, diagnose: bool = False) -> tuple[jax.Array, dict]:
+    """The one place the loss is computed: each target token's next-token loss [B, L] (float32) over a
+    [B, L+1] window batch, and with `diagnose` the pass's per-depth stream statistics
+    (`diagnostics.stream_stats`; else {}). Dropout runs when `dropout_rng` is given."""
     inputs_BxL, targets_BxL = batch_BxLp1[:, :-1], batch_BxLp1[:, 1:]
     deterministic = dropout_rng is None
     out = model.build(model_config).apply(
         {"params": params}, inputs_BxL, deterministic=deterministic,
-        rngs=None if deterministic else {"dropout": dropout_rng}, mutable=list(collections) or False)
-    logits_BxLxV, variables = out if collections else (out, {})
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL), variables
-
-
-def cross_entropy(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
-                  dropout_rng: jax.Array | None) -> jax.Array:
-    """Mean next-token loss in float32 over a [B, L+1] window batch."""
-    return _loss_and_collections(params, model_config, batch_BxLp1, dropout_rng, ())[0].mean()
-
-
-def cross_entropy_and_stream_stats(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
-                                   dropout_rng: jax.Array | None) -> tuple[jax.Array, dict]:
-    """The loss and the pass's per-depth stream statistics (`diagnostics.stream_stats`)."""
-    losses_BxL, variables = _loss_and_collections(params, model_config, batch_BxLp1, dropout_rng,
-                                                  (model.DIAGNOSTICS,))
-    return losses_BxL.mean(), diagnostics.stream_stats(variables[model.DIAGNOSTICS], model_config)
+        rngs=None if deterministic else {"dropout": dropout_rng}, mutable=[model.DIAGNOSTICS] if diagnose else False)
+    logits_BxLxV, variables = out if diagnose else (out, {})
+    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
+    return losses_BxL, diagnostics.stream_stats(variables[model.DIAGNOSTICS], model_config) if diagnose else {}
 
 
 def split_microbatches(batch_BxLp1: jax.Array, num_micro: int) -> jax.Array:
@@ -87,8 +76,8 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
         rng = rng if use_dropout else None
 
         def scaled_loss(params):
-            loss, stats = (cross_entropy_and_stream_stats if diagnose else
-                           lambda *args: (cross_entropy(*args), {}))(params, config.model, micro_BxLp1, rng)
+            losses_BxL, stats = token_losses(params, config.model, micro_BxLp1, rng, diagnose)
+            loss = losses_BxL.mean()
             return scale * loss, (loss, stats)
 
         (_, (loss, stats)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
@@ -163,12 +152,10 @@ def _row_by_row(config: ml_collections.ConfigDict, per_micro: Callable[[Any, jax
 
 def make_eval_step(config: ml_collections.ConfigDict) -> Callable[[Any, jax.Array], jax.Array]:
     """eval_step(params, batch [B, L+1]) -> each row's mean loss [B], one micro-batch at a time as in training."""
-    return _row_by_row(config, lambda params, micro_BxLp1: _loss_and_collections(
-        params, config.model, micro_BxLp1, None, ())[0].mean(axis=1))
+    return _row_by_row(config, lambda params, micro_BxLp1: token_losses(params, config.model, micro_BxLp1)[0].mean(1))
 
 
 def make_token_loss_step(config: ml_collections.ConfigDict) -> Callable[[Any, jax.Array], jax.Array]:
     """token_loss_step(params, batch [B, L+1]) -> each target token's loss [B, L] (float32), for scoring parts
     of a row (HellaSwag's endings); batched and micro-batched as the eval step."""
-    return _row_by_row(config, lambda params, micro_BxLp1: _loss_and_collections(
-        params, config.model, micro_BxLp1, None, ())[0])
+    return _row_by_row(config, lambda params, micro_BxLp1: token_losses(params, config.model, micro_BxLp1)[0])

@@ -14,7 +14,7 @@ from andrea_jax import model
 from andrea_jax.gpt2 import interop
 from andrea_jax.tools import parameter_table, sampling
 from andrea_jax import run_dir
-from andrea_jax.config import ConfigError, base_config, validate, validate_model
+from andrea_jax.config import ConfigError, base_config, validate
 from tests.test_model import forward, init, np_forward, np_gelu_tanh, np_layer_norm, small_model
 
 ANDREA_PARAMS = 92_331_264
@@ -276,7 +276,8 @@ def test_a_config_saved_before_the_switches_existed_still_builds_the_default(tmp
     for key in keys:
         del saved["model"][key]
     (tmp_path / "config.json").write_text(json.dumps({"project": "andrea-jax", "config": saved}))
-    old = run_dir.load_saved_config(str(tmp_path)).model  # read over the defaults: the one place they live
-    validate_model(old)
+    saved = run_dir.load_saved_config(str(tmp_path))  # read over the defaults: the one place they live
+    validate(saved)
+    old = saved.model
     assert model.mlp_hidden_dim(old) == 3072 and model.non_gpt2_features(old) == []
     assert parameter_table.count(parameter_table.param_shapes(old)) == ANDREA_PARAMS

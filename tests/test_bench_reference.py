@@ -53,7 +53,7 @@ def jax_state(c):
 
 
 def jax_loss_of(c, params, batch):
-    return float(jax.jit(lambda p, b: train_step.cross_entropy(p, c.model, b, None))(params, jnp.asarray(batch)))
+    return float(jax.jit(lambda p, b: train_step.token_losses(p, c.model, b)[0].mean())(params, jnp.asarray(batch)))
 
 
 def torch_step_from(c, params):

@@ -3,10 +3,11 @@
 import importlib.util
 import pathlib
 
+import jax
 import pytest
 
 from andrea_jax.config import ConfigError, base_config, padded_vocab_size, validate
-from andrea_jax.sharding import mesh_shape
+from andrea_jax.sharding import make_mesh, mesh_shape
 
 CONFIGS = sorted(pathlib.Path(__file__).parent.parent.joinpath("configs").glob("*.py"))
 REQUIRED_KEYS = ["seed", "steps", "batch_size", "seq_len", "checkpoint_every", "keep_checkpoints",
@@ -51,12 +52,11 @@ def test_config_files_are_the_expected_models():
 @pytest.mark.parametrize("change, message", [
     (dict(model=dict(n_head=5)), "n_head=5 does not divide model.d_model=768; pick a divisor such as 64"),
     (dict(seq_len=2048), "seq_len=2048 exceeds model.max_len=1024"),
-    (dict(batch_size=10, microbatches=4), "not divisible by microbatches=4"),
     (dict(model=dict(dtype="float8")), "model.dtype='float8' is not one of"),
     (dict(model=dict(attention="flash")), "model.attention='flash' is not one of 'auto', 'xla', 'cudnn', 'splash'"),
     (dict(optimizer=dict(decay="step")), "optimizer.decay='step'"),
     (dict(mesh=dict(data=-1, fsdp=-1)), "only one of mesh.data"),
-    (dict(steps=0), "steps=0 must be at least 1"),
+    (dict(steps=0), "steps=0 must be >= 1"),
     (dict(optimizer=dict(grad_clip_norm=0.0)), "a clip of 0 zeroes every gradient"),
 ])
 def test_impossible_configs_name_the_fix(change, message):
@@ -77,6 +77,26 @@ def test_mesh_shape_fills_minus_one_and_rejects_misfits():
     config.mesh.update(dict(data=2, fsdp=2, tensor=1))
     with pytest.raises(ConfigError, match="needs 4 devices but 8 are present"):
         mesh_shape(config.mesh, 8)
+
+
+@pytest.mark.parametrize("batch_size, microbatches, mesh_data, parts, multiple", [
+    (10, 4, 1, "4 × 1 × 1", 4),  # micro-batches that do not divide the batch
+    (12, 0, 8, "1 × 8 × 1", 8),  # a batch that does not split over the devices
+    (16, 4, 8, "4 × 8 × 1", 32),  # micro-batches of 4 rows over 8 devices
+])
+def test_a_batch_that_does_not_split_stops_at_the_mesh_naming_the_fix(batch_size, microbatches, mesh_data, parts,
+                                                                      multiple):
+    config = base_config()
+    config.update(dict(batch_size=batch_size, microbatches=microbatches))
+    config.mesh.data = mesh_data
+    validate(config)  # the split needs the devices: it is checked once, by the mesh
+    with pytest.raises(ConfigError) as error:
+        make_mesh(config, jax.devices()[:mesh_data])
+    message = str(error.value)
+    assert f"microbatches × mesh.data × mesh.fsdp = {parts}; make it a multiple of {multiple}" in message
+    assert "\n" not in message
+    config.batch_size = 2 * multiple
+    assert make_mesh(config, jax.devices()[:mesh_data]).shape["data"] == mesh_data
 
 
 def test_vocab_padding():
