@@ -119,6 +119,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         read = lambda: hellaswag.load(config.hellaswag.source, config.data.tfds_data_dir)
         hellaswag_examples = leader_first(leader, read, read, "prepare the HellaSwag examples")
     prepared, config, saved = prepare_run(config, workdir, leader, held, device=mesh.devices.flat[0])
+    mesh = sharding.make_mesh(config, devices)  # again: a resume keeps its own micro-batches, which must split here
     hellaswag_rows = None if hellaswag_examples is None else \
         hellaswag.rows_of(hellaswag_examples, config.hellaswag.examples, prepared.tokenizer)
     axis_rules = sharding.rules(config)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from andrea_jax import train_loop
-from andrea_jax.config import base_config
+from andrea_jax.config import ConfigError, base_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -182,6 +182,15 @@ def test_auto_dtype_is_recorded_and_kept_on_resume(tmp_path, monkeypatch):
     fresh = str(tmp_path / "fresh")
     train_loop.train(loop_config(tmp_path, steps=2, **{"model.dtype": "auto"}), fresh, devices=jax.devices()[:1])
     assert saved_dtype(fresh) == "float32"
+
+
+def test_a_resume_whose_own_micro_batches_do_not_split_over_the_devices_stops_with_one_line(tmp_path):
+    workdir = str(tmp_path / "run")
+    train_loop.train(loop_config(tmp_path, steps=2, microbatches=2), workdir, devices=jax.devices()[:1])
+    # Resumed with microbatches=0 (auto), the run keeps its 2; batch_size 8 does not split over 2 × 8 devices.
+    with pytest.raises(ConfigError, match="does not split over microbatches × mesh.data × mesh.fsdp = 2 × 8 × 1"):
+        train_loop.train(loop_config(tmp_path, steps=4, microbatches=0), workdir, devices=jax.devices())
+    assert [step for step, _ in losses(workdir)] == [2]
 
 
 def test_a_workdir_copied_to_another_file_system_resumes_exactly(tmp_path):
