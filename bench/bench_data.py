@@ -9,6 +9,7 @@ figures are comparable across machines with no download. Prints one table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -92,14 +93,14 @@ def main() -> None:
         sharding = NamedSharding(mesh, PartitionSpec("data"))
         make_batch = lambda step: batcher.train_batch(  # noqa: E731
             tokens, seed=0, step=step, batch_size=batch_size, seq_len=seq_len)
-        with batcher.Prefetcher(make_batch, 0, sharding) as prefetcher:
-            next(prefetcher)
+        with contextlib.closing(batcher.prefetch(make_batch, 0, sharding)) as prefetched:
+            next(prefetched)
             started = time.perf_counter()
             for _ in range(steps):
-                _, array = next(prefetcher)
+                _, array = next(prefetched)
             array.block_until_ready()
             rate = steps * batch_size * (seq_len + 1) / (time.perf_counter() - started)
-        rows.append(("Prefetcher (device_put)", f"{rate / 1e6:.1f} Mtok/s",
+        rows.append(("prefetch (device_put)", f"{rate / 1e6:.1f} Mtok/s",
                      f"{steps} batches onto {jax.device_count()} {jax.devices()[0].platform} device(s)"))
         del tokens
 
