@@ -25,8 +25,8 @@ PREFIX = "diag/"
 BLOCK_STATS = ("attn_delta_ratio", "mlp_delta_ratio")
 
 
-def _blocks(tree: Mapping, model_config: ml_collections.ConfigDict) -> list[Any]:
-    """Block i's subtree of a params-shaped tree, for each i (slices of the stack under scan)."""
+def per_block(tree: Mapping, model_config: ml_collections.ConfigDict) -> list[Any]:
+    """Block i's subtree of a params- or collection-shaped tree, for each i (slices of the stack under scan)."""
     n_layer = int(model_config.n_layer)
     if model_config.scan_layers:
         stacked = tree["blocks"]["block"]
@@ -34,7 +34,7 @@ def _blocks(tree: Mapping, model_config: ml_collections.ConfigDict) -> list[Any]
     return [tree[f"block_{i}"] for i in range(n_layer)]
 
 
-def _sown(value: Any) -> jax.Array:
+def sown(value: Any) -> jax.Array:
     """A sown value: `sow` keeps a tuple of every call's value; each block calls once per forward."""
     (only,) = value
     return only
@@ -42,9 +42,8 @@ def _sown(value: Any) -> jax.Array:
 
 def block_grad_norms(grads: Mapping, model_config: ml_collections.ConfigDict) -> jax.Array:
     """[n_layer]: the L2 norm of each block's gradient."""
-    def norm(tree):
-        return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)))
-    return jnp.stack([norm(block) for block in _blocks(grads, model_config)])
+    norm = lambda tree: jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)))
+    return jnp.stack([norm(block) for block in per_block(grads, model_config)])
 
 
 def stream_stats(collection: Mapping, model_config: ml_collections.ConfigDict) -> dict[str, jax.Array]:
@@ -52,18 +51,14 @@ def stream_stats(collection: Mapping, model_config: ml_collections.ConfigDict) -
 
     attn_delta_ratio, mlp_delta_ratio: [n_layer]; stream_norm: [n_layer + 1].
     """
-    blocks = _blocks(collection, model_config)
-    stats = {name: jnp.stack([_sown(block[name]) for block in blocks]) for name in BLOCK_STATS}
-    after_blocks = jnp.stack([_sown(block["stream_norm"]) for block in blocks])
-    stats["stream_norm"] = jnp.concatenate([_sown(collection["embed_stream_norm"])[None], after_blocks])
+    blocks = per_block(collection, model_config)
+    stats = {name: jnp.stack([sown(block[name]) for block in blocks]) for name in (*BLOCK_STATS, "stream_norm")}
+    stats["stream_norm"] = jnp.concatenate([sown(collection["embed_stream_norm"])[None], stats["stream_norm"]])
     return stats
 
 
 def metrics(stats: Mapping[str, jax.Array], grad_norms: jax.Array) -> dict[str, jax.Array]:
     """Flat metric keys (see the module docstring) from `stream_stats` and `block_grad_norms`."""
-    out = {f"{PREFIX}grad_norm/block_{i}": grad_norms[i] for i in range(grad_norms.shape[0])}
-    for name in BLOCK_STATS:
-        out.update({f"{PREFIX}{name}/block_{i}": stats[name][i] for i in range(stats[name].shape[0])})
-    out.update({f"{PREFIX}stream_norm/depth_{d}": stats["stream_norm"][d]
-                for d in range(stats["stream_norm"].shape[0])})
-    return out
+    series = {"grad_norm/block": grad_norms, **{f"{name}/block": stats[name] for name in BLOCK_STATS},
+              "stream_norm/depth": stats["stream_norm"]}
+    return {f"{PREFIX}{name}_{i}": values[i] for name, values in series.items() for i in range(values.shape[0])}

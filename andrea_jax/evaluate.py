@@ -13,7 +13,7 @@ import json
 import math
 import os
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 import jax
@@ -21,16 +21,12 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from andrea_jax import checkpoint, model, resolve, sharding, train_step
-from andrea_jax import UserError
+from andrea_jax import UserError, checkpoint, model, resolve, run_dir, sharding, train_step
 from andrea_jax.runtime import atomic
 from andrea_jax.tools import sampling
-from andrea_jax import run_dir
 from andrea_jax.config import ConfigError, validate
 from andrea_jax.data import batcher, pipeline, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers
-from andrea_jax.data.token_cache import TokenSplit
-from andrea_jax.data.tokenizer import Tokenizer
 
 
 class EvalError(UserError):
@@ -42,7 +38,7 @@ class Restored:
     params: Any
     step: int
     config: ml_collections.ConfigDict  # vocab_size resolved
-    tokenizer: Tokenizer
+    tokenizer: tokenizers.Tokenizer
     mesh: Mesh
 
 
@@ -108,28 +104,39 @@ def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step:
     return Restored(state["params"], int(meta["step"]), config, tokenizer, mesh)
 
 
-def validation_split(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> TokenSplit:
+def validation_split(config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer) -> token_cache.TokenSplit:
     """The validation tokens of `config.data`, from the token cache (built if missing)."""
     splits = pipeline.open_splits(config)
     directory = token_cache.cache_directory(sources.cache_dir_of(config.data), splits.identity, tokenizer.sha256)
     return token_cache.load_or_build(splits.val, tokenizer, directory, "val", splits.identity)
 
 
+def scored_batches(step: Callable, params: Any, local_batch: Callable[[int], np.ndarray], batches: int,
+                   batch_sharding: NamedSharding) -> Iterator[np.ndarray]:
+    """step(params, batch) of batches 0 .. batches - 1 on the host, in order, each fetched while the next runs.
+
+    The one scoring loop of validation and HellaSwag; `local_batch(index=i)` is this process's rows of batch i.
+    """
+    in_flight = None
+    for index in range(batches):
+        output = step(params, batcher.to_global(local_batch(index=index), batch_sharding))
+        if in_flight is not None:
+            yield np.asarray(jax.device_get(in_flight))
+        in_flight = output
+    yield np.asarray(jax.device_get(in_flight))
+
+
 def mean_loss(eval_step: Callable, params: Any, tokens: np.ndarray, windows: int,
               config: ml_collections.ConfigDict, batch_sharding: NamedSharding) -> float:
-    """Mean loss of the first `windows` validation windows, scored in batches of config.batch_size.
-
-    The one scoring path of the training loop and eval.py; `eval_step` is `train_step.make_eval_step`'s.
-    """
-    row_losses = []
-    for index in range(-(-windows // config.batch_size)):
-        local = batcher.val_batch(tokens, index=index, batch_size=config.batch_size, seq_len=config.seq_len,
-                                  process_index=jax.process_index(), process_count=jax.process_count())
-        row_losses.append(eval_step(params, batcher.to_global(local, batch_sharding)))
-    return float(np.mean(np.concatenate(jax.device_get(row_losses))[:windows], dtype=np.float64))
+    """Mean loss of the first `windows` validation windows, scored in batches of config.batch_size
+    (`eval_step` is `train_step.make_eval_step`'s)."""
+    local_batch = partial(batcher.val_batch, tokens, batch_size=config.batch_size, seq_len=config.seq_len,
+                          process_index=jax.process_index(), process_count=jax.process_count())
+    row_losses = scored_batches(eval_step, params, local_batch, -(-windows // config.batch_size), batch_sharding)
+    return float(np.mean(np.concatenate(list(row_losses))[:windows], dtype=np.float64))
 
 
-def score(restored: Restored, split: TokenSplit, batches: int) -> dict:
+def score(restored: Restored, split: token_cache.TokenSplit, batches: int) -> dict:
     """Loss, perplexity and bits per byte over the first `batches` batches (0 = every window)."""
     config, mesh = restored.config, restored.mesh
     batch_size, seq_len = int(config.batch_size), int(config.seq_len)

@@ -41,10 +41,8 @@ def synthetic_rows(examples: int, vocab_size: int, seed: int = 0) -> hellaswag.E
     rng = np.random.default_rng(seed)
     contexts = np.clip(rng.normal(*CONTEXT_TOKENS, examples), 10, 300).astype(np.int64)
     endings = np.clip(rng.normal(*ENDING_TOKENS, (examples, hellaswag.ENDINGS)), 3, 100).astype(np.int64)
-    lengths = (contexts[:, None] + endings).reshape(-1)
-    starts = np.concatenate([[0], np.cumsum(lengths)])
-    ids = rng.integers(0, vocab_size, starts[-1]).astype(np.int32)
-    return hellaswag.Encoded(ids, starts, endings.reshape(-1), rng.integers(0, hellaswag.ENDINGS, examples),
+    ids = [rng.integers(0, vocab_size, length).astype(np.int32) for length in (contexts[:, None] + endings).flat]
+    return hellaswag.Encoded(ids, endings.reshape(-1), rng.integers(0, hellaswag.ENDINGS, examples),
                              source_examples=examples)
 
 
@@ -76,12 +74,13 @@ def main() -> None:
         params = jax.jit(lambda key: sharding.unbox(init(key)),
                          out_shardings=sharding.logical_shardings(boxed, mesh, rules))(jax.random.key(config.seed))
         step = hellaswag.make_step(config, mesh)
-        batches = -(-rows.num_rows // config.batch_size)
-        print(f"{args.config}: {args.examples:,} examples = {rows.num_rows:,} rows in {batches:,} batches of "
+        batches = -(-len(rows.ids) // config.batch_size)
+        lengths = np.array([len(ids) for ids in rows.ids])
+        print(f"{args.config}: {args.examples:,} examples = {len(rows.ids):,} rows in {batches:,} batches of "
               f"[{config.batch_size}, {config.seq_len + 1}], compute {config.model.dtype}, attention "
               f"{config.model.attention}, mesh {sharding.describe(mesh)}; {platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} CPUs; row lengths: mean {np.diff(rows.starts).mean():.0f} tokens, "
-              f"{100 * np.mean(np.diff(rows.starts) > config.seq_len + 1):.0f}% cut to the window", flush=True)
+              f"{os.cpu_count()} CPUs; row lengths: mean {lengths.mean():.0f} tokens, "
+              f"{100 * np.mean(lengths > config.seq_len + 1):.0f}% cut to the window", flush=True)
         times = []
         for index in range(args.rounds):
             start = time.perf_counter()

@@ -105,15 +105,13 @@ def hand_encoded():
     """Two examples: rows of 3+2, 1+1, 6+1, 2+5 (context + ending tokens), 4 a row counted by hand."""
     rows = [([1, 2, 3], [4, 5]), ([6], [7]), ([8, 9, 10, 11, 12, 13], [14]), ([15, 16], [17, 18, 19, 20, 21]),
             ([22], [23]), ([24], [25]), ([26], [27]), ([28], [29])]
-    ids = np.array([t for context, ending in rows for t in context + ending], np.int32)
-    lengths = [len(context) + len(ending) for context, ending in rows]
-    return Encoded(ids, np.concatenate([[0], np.cumsum(lengths)]), np.array([len(e) for _, e in rows]),
-                   np.array([0, 3]))
+    return Encoded([np.array(context + ending, np.int32) for context, ending in rows],
+                   np.array([len(e) for _, e in rows]), np.array([0, 3]), source_examples=2)
 
 
 def test_rows_are_cut_from_the_left_padded_on_the_right_and_masked_on_the_ending():
     encoded = hand_encoded()
-    tokens = hellaswag.batch_tokens(encoded, index=0, batch_size=6, seq_len=4)
+    tokens, mask = hellaswag.batch(encoded, index=0, batch_size=6, seq_len=4)
     np.testing.assert_array_equal(tokens, [
         [1, 2, 3, 4, 5],  # fits exactly: L + 1 tokens
         [6, 7, 0, 0, 0],
@@ -121,7 +119,6 @@ def test_rows_are_cut_from_the_left_padded_on_the_right_and_masked_on_the_ending
         [17, 18, 19, 20, 21],  # the ending alone is L + 1 tokens: its last 4 can be scored
         [22, 23, 0, 0, 0],
         [24, 25, 0, 0, 0]])
-    mask = hellaswag.ending_mask(encoded, index=0, batch_size=6, seq_len=4)
     np.testing.assert_array_equal(mask.astype(int), [
         [0, 0, 1, 1],  # targets 3, 4, 5: 4 and 5 are the ending
         [1, 0, 0, 0],
@@ -131,27 +128,19 @@ def test_rows_are_cut_from_the_left_padded_on_the_right_and_masked_on_the_ending
         [1, 0, 0, 0]])
     assert hellaswag.cut_rows(encoded, seq_len=4) == {"rows_context_cut": 1, "rows_ending_cut": 1}
     # The second batch: rows 6 and 7, then row 0 again as padding (its figures are dropped).
-    np.testing.assert_array_equal(hellaswag.batch_tokens(encoded, index=1, batch_size=6, seq_len=4)[:, :2],
-                                  [[26, 27], [28, 29], [1, 2], [1, 2], [1, 2], [1, 2]])
-
-
-def test_each_process_builds_its_rows_of_the_batch():
-    encoded = hand_encoded()
-    whole = hellaswag.batch_tokens(encoded, index=0, batch_size=6, seq_len=4)
-    parts = [hellaswag.batch_tokens(encoded, index=0, batch_size=6, seq_len=4, process_index=p, process_count=3)
-             for p in range(3)]
-    assert [part.shape for part in parts] == [(2, 5)] * 3
-    np.testing.assert_array_equal(np.concatenate(parts), whole)
+    tokens, mask = hellaswag.batch(encoded, index=1, batch_size=6, seq_len=4)
+    np.testing.assert_array_equal(tokens[:, :2], [[26, 27], [28, 29], [1, 2], [1, 2], [1, 2], [1, 2]])
+    np.testing.assert_array_equal(mask[:, :2], [[1, 0], [1, 0], [0, 0], [0, 0], [0, 0], [0, 0]])
 
 
 def test_encode_tokenizes_endings_after_a_space_and_starts_an_empty_context_from_end_of_text(tokenizer):
     encoded = hellaswag.encode(examples(), tokenizer)
-    assert encoded.num_rows == 4 * len(ROWS) and list(encoded.labels) == [row["label"] for row in ROWS]
+    assert len(encoded.ids) == 4 * len(ROWS) and list(encoded.labels) == [row["label"] for row in ROWS]
     row = 4 * 3 + 1  # example 3, ending 1
-    ids = encoded.ids[encoded.starts[row]:encoded.starts[row + 1]].tolist()
+    ids = encoded.ids[row].tolist()
     assert ids == tokenizer.encode(ROWS[3]["ctx"]) + tokenizer.encode(" " + ROWS[3]["endings"][1])
     assert encoded.ending_lengths[row] == len(tokenizer.encode(" paints a house."))
-    last = encoded.ids[encoded.starts[4 * 8]:encoded.starts[4 * 8 + 1]].tolist()
+    last = encoded.ids[4 * 8].tolist()
     assert last == [tokenizer.eot_id] + tokenizer.encode(" The end.")
     no_end_of_text = tokenizers.CharTokenizer("".join(r["ctx"] + "".join(r["endings"]) for r in ROWS) + " ",
                                               end_of_text=False)
@@ -220,7 +209,7 @@ def test_a_model_that_memorised_the_right_endings_scores_one(tokenizer):
     config = small_config(tokenizer.vocab_size)
     rows = hellaswag.encode(examples(), tokenizer)
     right = rows.labels + 4 * np.arange(len(ROWS))  # the row of each right ending
-    right_9xLp1 = hellaswag.batch_tokens(rows, index=0, batch_size=rows.num_rows, seq_len=config.seq_len)[right]
+    right_9xLp1 = hellaswag.batch(rows, index=0, batch_size=len(rows.ids), seq_len=config.seq_len)[0][right]
     mesh = sharding.make_mesh(config, jax.devices()[:1])
     tx = optax.adam(1e-2)
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.rules(config)):
@@ -288,7 +277,7 @@ def test_tfds_builder_records_read_as_the_jsonl_does(tmp_path):
     """TFDS stores them shuffled: `load` sorts either source's examples by their text."""
     LocalHellaswag.path = write_jsonl(tmp_path / "val.jsonl")
     builder = LocalHellaswag(data_dir=str(tmp_path / "tfds"), file_format="array_record")
-    from_tfds = hellaswag.examples_of_builder(builder, "validation", network_check=lambda: True)
+    from_tfds = hellaswag.read_tfds(network_check=lambda: True, builder=builder)
     assert from_tfds != examples() and sorted(from_tfds) == sorted(examples()) == hellaswag.load(LocalHellaswag.path)
 
 

@@ -21,7 +21,6 @@ import dataclasses
 import importlib
 import json
 import math
-import os
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -30,11 +29,10 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from andrea_jax import sharding, train_step
+from andrea_jax import evaluate, sharding, train_step
 from andrea_jax.data import DataError, batcher, sources
 from andrea_jax.data.tokenizer import Tokenizer
 
-TFDS_SPLIT = "validation"
 VALIDATION_EXAMPLES = 10_042  # the validation split everyone reports
 ENDINGS = 4
 OFFLINE_ALTERNATIVES = ("or pass a local hellaswag_val.jsonl (--hellaswag_source=PATH to eval.py, "
@@ -52,15 +50,10 @@ class Example:
 @dataclasses.dataclass(frozen=True)
 class Encoded:
     """The token rows of the examples, four an example (ending e of example i is row 4i + e), unpadded."""
-    ids: np.ndarray  # int32: every row's context + ending tokens, one row after the other
-    starts: np.ndarray  # int64 [R + 1]: row r is ids[starts[r]:starts[r + 1]]
+    ids: list[np.ndarray]  # int32: each row's context + ending tokens
     ending_lengths: np.ndarray  # int64 [R]: the row's last tokens that are its ending
     labels: np.ndarray  # int64 [N]
-    source_examples: int = 0  # how many the source holds (the rows may be a sample of them)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.ending_lengths)
+    source_examples: int  # how many the source holds (the rows may be a sample of them)
 
 
 # ---------------------------------------------------------------- reading
@@ -77,7 +70,7 @@ def _example(row: Any, where: str) -> Example:
     if label is None:
         raise DataError(f"{where} has no label (HellaSwag's test split has none); use the validation "
                         f"split, hellaswag_val.jsonl")
-    if isinstance(label, str) and label.strip().isdigit():
+    if isinstance(label, str) and label.strip().isdigit():  # as Hugging Face's copy stores it
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < ENDINGS:
         raise DataError(f"{where} has label {label!r}, not one of 0-{ENDINGS - 1}; the file must be {FORMAT}")
@@ -85,10 +78,8 @@ def _example(row: Any, where: str) -> Example:
 
 
 def read_jsonl(path: str) -> list[Example]:
-    """The examples of a local file in the original format (hellaswag_val.jsonl); read as data only."""
-    if not os.path.isfile(path):
-        raise DataError(f"HellaSwag file {path} does not exist; pass the path of {FORMAT} (such as "
-                        f"hellaswag_val.jsonl), or tfds:hellaswag")
+    """The examples of a local file in the original format (hellaswag_val.jsonl; that it exists, the config
+    checks); read as data only."""
     examples = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, start=1):
@@ -104,36 +95,19 @@ def read_jsonl(path: str) -> list[Example]:
     return examples
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+def read_tfds(data_dir: str = "", network_check: Callable[[], bool] = sources.network_available,
+              builder: Any = None) -> list[Example]:
+    """TFDS's hellaswag validation split (`builder`: TFDS's own), downloaded (12 MB) and prepared on first use;
+    offline, a DataError in seconds. The builder reads the original JSONL through etils: no TensorFlow."""
+    if builder is None:
+        import tensorflow_datasets as tfds
 
-
-def from_tfds_record(record: dict) -> Example:
-    """An Example from a record of TFDS's hellaswag builder (context, endings, label)."""
-    return Example(_text(record["context"]), tuple(_text(e) for e in record["endings"]), int(record["label"]))
-
-
-def read_tfds(data_dir: str = "", split: str = TFDS_SPLIT,
-              network_check: Callable[[], bool] = sources.network_available) -> list[Example]:
-    """TFDS's hellaswag split, downloaded (12 MB) and prepared on first use; offline, a DataError in seconds.
-
-    The builder reads the original JSONL through etils: no TensorFlow."""
-    import tensorflow_datasets as tfds
-
-    importlib.import_module("tensorflow_datasets.text.hellaswag")  # registers the builder: tfds does not by itself
-    builder = tfds.builder("hellaswag", data_dir=data_dir or None, file_format="array_record")
-    return examples_of_builder(builder, split, network_check)
-
-
-def examples_of_builder(builder, split: str, network_check: Callable[[], bool]) -> list[Example]:
+        importlib.import_module("tensorflow_datasets.text.hellaswag")  # registers the builder: tfds does not
+        builder = tfds.builder("hellaswag", data_dir=data_dir or None, file_format="array_record")
     sources.ensure_prepared(builder, network_check, instead=OFFLINE_ALTERNATIVES)
-    records = sources.open_split(builder, split)
-    examples = [from_tfds_record(r) for r in records.__getitems__(list(range(len(records))))]
-    unlabelled = sum(e.label < 0 for e in examples)
-    if unlabelled:
-        raise DataError(f"split {split!r} of {builder.info.full_name} has {unlabelled} examples without a label; "
-                        f"use the {TFDS_SPLIT} split")
-    return examples
+    records = sources.open_split(builder, "validation")
+    return [Example(r["context"].decode(), tuple(e.decode() for e in r["endings"]), int(r["label"]))
+            for r in records.__getitems__(list(range(len(records))))]
 
 
 def load(source: str, data_dir: str = "",
@@ -141,8 +115,7 @@ def load(source: str, data_dir: str = "",
     """The examples `source` names (as `config.hellaswag_source_problem` accepts): tfds:hellaswag's validation
     split, or a JSONL file in the original format; sorted by their text, so that a sample of them is the same
     from either (TFDS stores the records shuffled)."""
-    return sorted(read_tfds(data_dir, network_check=network_check) if source.startswith("tfds:")
-                  else read_jsonl(source))
+    return sorted(read_tfds(data_dir, network_check) if source.startswith("tfds:") else read_jsonl(source))
 
 
 def evenly_spaced(examples: Sequence[Example], count: int) -> list[Example]:
@@ -166,53 +139,35 @@ def encode(examples: Sequence[Example], tokenizer: Tokenizer) -> Encoded:
     """
     contexts = tokenizer.encode_arrays([e.context for e in examples])
     endings = tokenizer.encode_arrays([" " + ending for e in examples for ending in e.endings])
-    rows = []
+    ids = []
     for index, context in enumerate(contexts):
         if len(context) == 0:
             if tokenizer.eot_id is None:
                 raise DataError(f"HellaSwag example {index} has an empty context and the {tokenizer.kind} "
                                 f"tokenizer has no end-of-text token to start from; drop the example")
             context = np.array([tokenizer.eot_id], np.int32)
-        rows.extend(np.concatenate([context, ending]) for ending in endings[ENDINGS * index:ENDINGS * (index + 1)])
-    lengths = np.array([len(row) for row in rows], np.int64)
-    return Encoded(ids=np.concatenate(rows).astype(np.int32), starts=np.concatenate([[0], np.cumsum(lengths)]),
-                   ending_lengths=np.array([len(e) for e in endings], np.int64),
-                   labels=np.array([e.label for e in examples], np.int64))
+        ids.extend(np.concatenate([context, ending]) for ending in endings[ENDINGS * index:ENDINGS * (index + 1)])
+    return Encoded(ids, np.array([len(e) for e in endings], np.int64), np.array([e.label for e in examples], np.int64),
+                   source_examples=len(examples))
 
 
-def _batch_row_indices(encoded: Encoded, index: int, batch_size: int) -> np.ndarray:
-    """The rows of batch `index`; past the last row, row 0 again (padding, dropped after scoring)."""
-    rows = index * batch_size + np.arange(batch_size)
-    return np.where(rows < encoded.num_rows, rows, 0)
-
-
-def batch_tokens(encoded: Encoded, *, index: int, batch_size: int, seq_len: int,
-                 process_index: int = 0, process_count: int = 1) -> np.ndarray:
-    """This process's rows of batch `index`: int32 [batch_size // process_count, seq_len + 1], each row's last
-    seq_len + 1 tokens from the row's start, zeros after."""
-    rows = _batch_row_indices(encoded, index, batch_size)[batcher.local_rows(batch_size, process_index,
-                                                                               process_count)]
-    batch_BxLp1 = np.zeros((len(rows), seq_len + 1), np.int32)
-    for out, row in enumerate(rows):
-        ids = encoded.ids[encoded.starts[row]:encoded.starts[row + 1]][-(seq_len + 1):]
-        batch_BxLp1[out, :len(ids)] = ids
-    return batch_BxLp1
-
-
-def ending_mask(encoded: Encoded, *, index: int, batch_size: int, seq_len: int) -> np.ndarray:
-    """bool [batch_size, seq_len]: the target positions of batch `index` that are ending tokens (all rows)."""
-    rows = _batch_row_indices(encoded, index, batch_size)
-    kept = np.minimum(np.diff(encoded.starts)[rows], seq_len + 1)  # tokens the row holds
-    ending = np.minimum(encoded.ending_lengths[rows], kept - 1)  # an ending longer than the row: its last tokens
-    # Target t is token t + 1: the ending's tokens are targets kept - 1 - ending ... kept - 2.
-    position_L = np.arange(seq_len)
-    return (position_L >= (kept - 1 - ending)[:, None]) & (position_L < (kept - 1)[:, None])
+def batch(encoded: Encoded, *, index: int, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Batch `index`: int32 [batch_size, seq_len + 1], each row's last seq_len + 1 tokens from its start, zeros
+    after, and bool [batch_size, seq_len], the targets that are ending tokens. Past the last row, row 0 again
+    (padding, dropped after scoring)."""
+    tokens_BxLp1, ending_BxL = np.zeros((batch_size, seq_len + 1), np.int32), np.zeros((batch_size, seq_len), bool)
+    for out, row in enumerate(range(index * batch_size, (index + 1) * batch_size)):
+        row = row if row < len(encoded.ids) else 0
+        ids = encoded.ids[row][-(seq_len + 1):]
+        tokens_BxLp1[out, :len(ids)] = ids
+        # Target t is token t + 1; of an ending longer than the row, its last tokens.
+        ending_BxL[out, max(0, len(ids) - 1 - encoded.ending_lengths[row]):len(ids) - 1] = True
+    return tokens_BxLp1, ending_BxL
 
 
 def cut_rows(encoded: Encoded, seq_len: int) -> dict:
     """How many rows lose tokens to the window: of their context only, or of their ending too."""
-    lengths = np.diff(encoded.starts)
-    cut = lengths > seq_len + 1
+    cut = np.array([len(ids) for ids in encoded.ids]) > seq_len + 1
     return {"rows_context_cut": int(np.sum(cut & (encoded.ending_lengths <= seq_len))),
             "rows_ending_cut": int(np.sum(encoded.ending_lengths > seq_len))}
 
@@ -227,30 +182,21 @@ def ending_log_likelihoods(token_loss_step: Callable, params: Any, encoded: Enco
     `token_loss_step` is `train_step.make_token_loss_step`'s, jitted with replicated output; every process
     builds its rows of each batch, as validation does, and all get the same figures.
     """
-    batch_size, seq_len = int(config.batch_size), int(config.seq_len)
-    sums, counts = np.zeros(encoded.num_rows), np.zeros(encoded.num_rows, np.int64)
+    batch_size, seq_len, rows = int(config.batch_size), int(config.seq_len), len(encoded.ids)
+    local = batcher.local_rows(batch_size, jax.process_index(), jax.process_count())
+    endings = {}  # batch index -> its ending mask, until its losses come back
 
-    def collect(index: int, losses_BxL: jax.Array) -> None:
-        mask_BxL = ending_mask(encoded, index=index, batch_size=batch_size, seq_len=seq_len)
-        first, last = index * batch_size, min(encoded.num_rows, (index + 1) * batch_size)
-        losses_BxL = np.asarray(jax.device_get(losses_BxL), np.float64)
-        sums[first:last] = -np.where(mask_BxL, losses_BxL, 0.0).sum(axis=1)[:last - first]
-        counts[first:last] = mask_BxL.sum(axis=1)[:last - first]
+    def local_batch(index: int) -> np.ndarray:
+        tokens_BxLp1, endings[index] = batch(encoded, index=index, batch_size=batch_size, seq_len=seq_len)
+        return tokens_BxLp1[local]
 
-    in_flight = None  # one batch on the device while the host reads the one before
-    for index in range(-(-encoded.num_rows // batch_size)):
-        local = batch_tokens(encoded, index=index, batch_size=batch_size, seq_len=seq_len,
-                             process_index=jax.process_index(), process_count=jax.process_count())
-        losses_BxL = token_loss_step(params, batcher.to_global(local, batch_sharding))
-        if in_flight is not None:
-            collect(*in_flight)
-        in_flight = (index, losses_BxL)
-    collect(*in_flight)
-    return sums.reshape(-1, ENDINGS), counts.reshape(-1, ENDINGS)
-
-
-def standard_error(accuracy: float, n: int) -> float:
-    return math.sqrt(accuracy * (1.0 - accuracy) / n)
+    sums, counts = [], []
+    for index, losses_BxL in enumerate(evaluate.scored_batches(token_loss_step, params, local_batch,
+                                                               -(-rows // batch_size), batch_sharding)):
+        ending_BxL = endings.pop(index)
+        sums.append(-np.where(ending_BxL, losses_BxL.astype(np.float64), 0.0).sum(axis=1))
+        counts.append(ending_BxL.sum(axis=1))
+    return np.concatenate(sums)[:rows].reshape(-1, ENDINGS), np.concatenate(counts)[:rows].reshape(-1, ENDINGS)
 
 
 def accuracies(log_likelihood_NxE: np.ndarray, tokens_NxE: np.ndarray, labels_N: np.ndarray) -> dict:
@@ -258,8 +204,8 @@ def accuracies(log_likelihood_NxE: np.ndarray, tokens_NxE: np.ndarray, labels_N:
     n = len(labels_N)
     acc = float(np.mean(np.argmax(log_likelihood_NxE, axis=1) == labels_N))
     acc_norm = float(np.mean(np.argmax(log_likelihood_NxE / tokens_NxE, axis=1) == labels_N))
-    return {"acc": acc, "acc_stderr": standard_error(acc, n),
-            "acc_norm": acc_norm, "acc_norm_stderr": standard_error(acc_norm, n), "examples": n}
+    return {"acc": acc, "acc_stderr": math.sqrt(acc * (1 - acc) / n),
+            "acc_norm": acc_norm, "acc_norm_stderr": math.sqrt(acc_norm * (1 - acc_norm) / n), "examples": n}
 
 
 def make_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Callable:
@@ -273,8 +219,7 @@ def score(token_loss_step: Callable, params: Any, encoded: Encoded, config: ml_c
     log_likelihood_NxE, tokens_NxE = ending_log_likelihoods(token_loss_step, params, encoded, config,
                                                             batch_sharding)
     return {**accuracies(log_likelihood_NxE, tokens_NxE, encoded.labels),
-            "source_examples": encoded.source_examples or len(encoded.labels),
-            **cut_rows(encoded, int(config.seq_len))}
+            "source_examples": encoded.source_examples, **cut_rows(encoded, int(config.seq_len))}
 
 
 def score_on_mesh(params: Any, encoded: Encoded, config: ml_collections.ConfigDict, mesh: Mesh) -> dict:

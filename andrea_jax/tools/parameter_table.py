@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from typing import Mapping
 
 import flax.linen as nn
@@ -15,8 +14,7 @@ from andrea_jax import model
 
 def param_shapes(model_config: ml_collections.ConfigDict) -> Mapping:
     """Unboxed ShapeDtypeStructs of the params, via jax.eval_shape."""
-    boxed = jax.eval_shape(lambda rng: model.init_params(model_config, rng), jax.random.key(0))
-    return nn.meta.unbox(boxed)
+    return nn.meta.unbox(jax.eval_shape(lambda rng: model.init_params(model_config, rng), jax.random.key(0)))
 
 
 def count(tree) -> int:
@@ -24,33 +22,23 @@ def count(tree) -> int:
 
 
 def rows(model_config: ml_collections.ConfigDict) -> list[tuple[str, str, int]]:
-    """(module, shapes, parameters) for each top-level module, then the total."""
+    """(module, shapes, parameters) for each top-level module in the model's order, then the total."""
     shapes = param_shapes(model_config)
+    order = ["token_embed", "position_embed", "blocks", *(f"block_{i}" for i in range(model_config.n_layer)), "ln_f"]
     table = []
-    for name in sorted(shapes, key=_module_order):
-        subtree = shapes[name]
-        if isinstance(subtree, Mapping) and all(isinstance(v, Mapping) for v in subtree.values()):
-            # A block (or the scanned stack): its sub-layers' sizes.
-            inner = subtree.get("block", subtree)
-            described = " · ".join(f"{k} {count(v):,}" for k, v in inner.items())
+    for name in (name for name in order if name in shapes):
+        module = shapes[name]
+        if name.startswith("block"):  # a block (or the scanned stack): its sub-layers' sizes
+            described = " · ".join(f"{k} {count(v):,}" for k, v in module.get("block", module).items())
         else:
             described = ", ".join(f"{jax.tree_util.keystr(path, simple=True, separator='/') or name} "
-                                  f"{tuple(leaf.shape)}" for path, leaf in jax.tree_util.tree_leaves_with_path(subtree))
-        table.append((name, described, count(subtree)))
-    table.append(("total", "", count(shapes)))
-    return table
-
-
-def _module_order(name: str) -> tuple:
-    """Embeddings, then blocks in depth order, then the final norm."""
-    order = {"token_embed": 0, "position_embed": 1, "blocks": 2, "ln_f": 4}
-    depth = int(name.rsplit("_", 1)[1]) if re.fullmatch(r"block_\d+", name) else 0
-    return order.get(name, 3), depth
+                                  f"{tuple(leaf.shape)}" for path, leaf in jax.tree_util.tree_leaves_with_path(module))
+        table.append((name, described, count(module)))
+    return table + [("total", "", count(shapes))]
 
 
 def format_table(model_config: ml_collections.ConfigDict) -> str:
     table = rows(model_config)
     width = max(len(r[0]) for r in table)
-    lines = [f"{'module':<{width}}  {'parameters':>12}  shapes"]
-    lines += [f"{name:<{width}}  {n:>12,}  {shapes}" for name, shapes, n in table]
-    return "\n".join(lines)
+    return "\n".join([f"{'module':<{width}}  {'parameters':>12}  shapes"] +
+                     [f"{name:<{width}}  {n:>12,}  {shapes}" for name, shapes, n in table])
