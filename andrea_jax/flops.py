@@ -20,22 +20,17 @@ PEAK_BF16_FLOPS = [
 ]
 # Dense float32 (not TF32) peak of the GPUs where float32 is what "auto" may run, or a user asks for.
 PEAK_FLOAT32_FLOPS = [
-    ("H200", 67e12), ("H100", 67e12), ("A100", 19.5e12), ("L40S", 91.6e12), ("L4", 30.3e12), ("V100", 15.7e12), ("T4", 8.1e12),
+    ("H200", 67e12), ("H100", 67e12), ("A100", 19.5e12), ("L40S", 91.6e12), ("L4", 30.3e12), ("V100", 15.7e12),
+    ("T4", 8.1e12),
 ]
 
 
-def _mlp_input_matrices(model_config: ml_collections.ConfigDict) -> int:
-    return 2 if model_config.activation == "swiglu" else 1
-
-
 def non_embedding_params(model_config: ml_collections.ConfigDict) -> int:
-    """N of the 6N rule: all parameters but the position table (a lookup does no FLOPs).
-
-    The tied token table counts once: it is the output matmul's weight.
-    """
+    """N of the 6N rule: all parameters but the position table (a lookup does no FLOPs); the tied token
+    table counts once, as the output matmul's weight."""
     m = model_config
     d, f = m.d_model, mlp_hidden_dim(m)
-    mlp_in = _mlp_input_matrices(m)  # SwiGLU has a gate beside the up projection
+    mlp_in = 2 if m.activation == "swiglu" else 1  # SwiGLU has a gate beside the up projection
     block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + mlp_in * (d * f + f) + (f * d + d)
     return m.n_layer * block + 2 * d + padded_vocab_size(m) * d
 
@@ -43,8 +38,7 @@ def non_embedding_params(model_config: ml_collections.ConfigDict) -> int:
 def flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int) -> float:
     """Training FLOPs per token, nanoGPT/PaLM convention: 6N + 12·L·H·Q·T (attention not halved)."""
     m = model_config
-    head_dim = m.d_model // m.n_head
-    return 6 * non_embedding_params(m) + 12 * m.n_layer * m.n_head * head_dim * seq_len
+    return 6 * non_embedding_params(m) + 12 * m.n_layer * m.d_model * seq_len  # H·Q is d_model
 
 
 def device_peak_flops(device: jax.Device, dtype: str = "bfloat16") -> float | None:
@@ -53,13 +47,8 @@ def device_peak_flops(device: jax.Device, dtype: str = "bfloat16") -> float | No
     The bfloat16 figure stands for float16 too (a T4's is its float16 rate); float32 has
     its own, far lower, rates.
     """
-    if device.platform == "cpu":
-        return None
     table = PEAK_FLOAT32_FLOPS if dtype == "float32" else PEAK_BF16_FLOPS
-    for name, peak in table:
-        if name.lower() in device.device_kind.lower():
-            return peak
-    return None
+    return next((peak for name, peak in table if name.lower() in device.device_kind.lower()), None)
 
 
 def peak_flops(config: ml_collections.ConfigDict) -> tuple[float | None, str]:

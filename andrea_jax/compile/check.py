@@ -2,12 +2,10 @@
 
     python -m andrea_jax.compile.check --config configs/andrea120m.py --topology v5e-1 [--config.x=y]
 
-XLA's own TPU and GPU compilers run on a host without the chip; the steps are
-lowered with the mesh, shardings and micro-batch choice a run on that
-accelerator would use (`fit.py`), and the report says what one device holds,
-the step's FLOPs, the device-memory bytes it moves by part of the model, and the
-roofline bound on MFU they give. A step that
-does not fit exits with status 2 and one line naming the fix.
+XLA's own TPU and GPU compilers run on a host without the chip; the steps are lowered with the mesh,
+shardings and micro-batch choice a run on that accelerator would use (`fit.py`), and the report says
+what one device holds, the step's FLOPs, the device-memory bytes it moves by part of the model, and
+the roofline bound on MFU they give. A step that does not fit exits with status 2 and one line naming the fix.
 """
 
 from __future__ import annotations
@@ -24,8 +22,6 @@ from andrea_jax import fit, flops, resolve, sharding
 from andrea_jax.compile import hbm_traffic, targets
 from andrea_jax.runtime import cli
 from andrea_jax.config import ConfigError, validate
-
-GIB = 2 ** 30
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/andrea120m.py",
                                           lock_config=False)
@@ -46,27 +42,6 @@ def compiled_for(config: ml_collections.ConfigDict, target: targets.Target, repo
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
         abstract, shardings = fit.abstract_state(config, mesh, axis_rules, rng)
         return fit.fit(config, mesh, abstract, shardings, target.memory_limit, report)
-
-
-def describe(steps: fit.Steps, target: targets.Target) -> str:
-    """What one device holds, the step's FLOPs and bytes by part, and the roofline bound, as lines of text."""
-    config = steps.config
-    train, evaluate = steps.train_memory, steps.eval_memory
-    gib = lambda n: f"{n / GIB:.2f} GiB"
-    lines = [
-        targets.describe(target),
-        f"config: microbatches={config.microbatches}, remat={config.model.remat}, compute {config.model.dtype}, "
-        f"attention {config.model.attention}, "
-        f"mesh {sharding.describe(sharding.make_mesh(config, target.devices))}",
-        f"train step, one device: arguments {gib(train.arguments)}, temporaries {gib(train.temporaries)}, "
-        f"outputs {gib(train.outputs)} ({gib(train.aliased)} of them in donated arguments); "
-        f"peak {gib(train.peak)}",
-        f"eval step, one device (optimizer state beside it): peak {gib(evaluate.peak)}",
-        f"peak {gib(steps.peak)} of {gib(target.memory_limit)} "
-        f"({100 * steps.peak / target.memory_limit:.0f}%; the fit plans for {fit.HEADROOM:.0%})",
-    ]
-    lines.append(cost_text(step_cost(steps, target), config.batch_size * config.seq_len))
-    return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,20 +73,36 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
     return StepCost(model_flops, xla_flops, traffic, seconds, model_flops / (seconds * devices * peak))
 
 
-def cost_text(cost: StepCost, tokens: int) -> str:
-    total = sum(cost.hbm_bytes.values())
-    text = (f"FLOPs a step: the model's formula {cost.model_flops / 1e12:.2f} T ({cost.model_flops / tokens / 1e6:.1f} "
-            f"M a token, nanoGPT/PaLM convention)")
+def describe(steps: fit.Steps, target: targets.Target) -> str:
+    """What one device holds, the step's FLOPs and bytes by part, and the roofline bound, as lines of text."""
+    config, cost = steps.config, step_cost(steps, target)
+    train, evaluate = steps.train_memory, steps.eval_memory
+    gib = lambda n: f"{n / targets.GIB:.2f} GiB"
+    flops_text = (f"FLOPs a step: the model's formula {cost.model_flops / 1e12:.2f} T "
+                  f"({cost.model_flops / (config.batch_size * config.seq_len) / 1e6:.1f} M a token, nanoGPT/PaLM "
+                  f"convention)")
     if cost.xla_flops is not None:
-        text += f"; XLA counts {cost.xla_flops / 1e12:.2f} T without the custom kernels"
-    text += (f"\nHBM traffic a step on one device, counted from the optimized HLO: {total / 1e9:.1f} GB\n"
-             + "\n".join(f"  {part:<28} {size / 1e9:7.1f} GB  {100 * size / total:3.0f}%"
-                         for part, size in cost.hbm_bytes.items()))
+        flops_text += f"; XLA counts {cost.xla_flops / 1e12:.2f} T without the custom kernels"
+    total = sum(cost.hbm_bytes.values())
+    lines = [
+        f"{target.name}: {len(target.devices)} × {target.devices[0].device_kind} over {target.num_hosts} host(s), "
+        f"{gib(target.memory_limit)} a device ({target.memory_source})",
+        f"config: microbatches={config.microbatches}, remat={config.model.remat}, compute {config.model.dtype}, "
+        f"attention {config.model.attention}, mesh {sharding.describe(sharding.make_mesh(config, target.devices))}",
+        f"train step, one device: arguments {gib(train.arguments)}, temporaries {gib(train.temporaries)}, "
+        f"outputs {gib(train.outputs)} ({gib(train.aliased)} of them in donated arguments); peak {gib(train.peak)}",
+        f"eval step, one device (optimizer state beside it): peak {gib(evaluate.peak)}",
+        f"peak {gib(steps.peak)} of {gib(target.memory_limit)} "
+        f"({100 * steps.peak / target.memory_limit:.0f}%; the fit plans for {fit.HEADROOM:.0%})",
+        flops_text,
+        f"HBM traffic a step on one device, counted from the optimized HLO: {total / 1e9:.1f} GB",
+    ]
+    lines += [f"  {part:<28} {size / 1e9:7.1f} GB  {100 * size / total:3.0f}%" for part, size in cost.hbm_bytes.items()]
     if cost.mfu_bound is not None:
-        text += (f"\nroofline from the model's FLOPs and the HLO's bytes: {cost.roofline_seconds * 1e3:.0f} ms a step, "
-                 f"so MFU can be at most {100 * cost.mfu_bound:.0f}% (a bound from the compiler's program, not a "
-                 f"measurement)")
-    return text
+        lines.append(f"roofline from the model's FLOPs and the HLO's bytes: {cost.roofline_seconds * 1e3:.0f} ms a "
+                     f"step, so MFU can be at most {100 * cost.mfu_bound:.0f}% (a bound from the compiler's program, "
+                     f"not a measurement)")
+    return "\n".join(lines)
 
 
 def main(argv):

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 
-DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
-               "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16}
 # An array shape with its optional layout: bf16[32,1024,768]{2,1,0:T(8,128)(2,1)S(1)}.
 ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
-INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*)$")
+# `%name = shape opcode(operands), attributes`; a tuple's shape is in parentheses, and no " word(" is inside it.
+INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w\-]+)\((.*)$")
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
         "replica-id", "opt-barrier"}
 LAYOUT_OPS = {"copy", "transpose"}
@@ -32,81 +32,43 @@ class Instruction:
     output: str  # the output shape's text
     operands: tuple[str, ...]
     attributes: str
-
-    def op_name(self) -> str:
-        match = re.search(r'op_name="([^"]*)"', self.attributes)
-        return match.group(1) if match else ""
+    op_name: str  # the source path in its metadata, "" where it has none
 
 
 def array_bytes(shape_text: str, on_chip_too: bool = False) -> float:
-    """Bytes of every array in a shape (a tuple's elements summed), those in device memory only
-    unless `on_chip_too`; f8 types count one byte."""
+    """Bytes of every array in a shape (a tuple's elements summed), those in device memory only unless `on_chip_too`."""
     total = 0.0
     for dtype, dims, layout in ARRAY.findall(shape_text):
-        if not on_chip_too and layout and re.search(r"S\(([1-9]\d*)\)", layout):
-            continue
-        size = 1
-        for dim in filter(None, dims.split(",")):
-            size *= int(dim)
-        total += size * DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 0)
+        if on_chip_too or not re.search(r"S\(([1-9]\d*)\)", layout):
+            # An element's bits are in its type's name (bf16, s4, f8e4m3fn); a pred takes a byte, a token none.
+            bits = 8 if dtype == "pred" else int(re.match(r"[a-z]*(\d*)", dtype).group(1) or 0)
+            total += math.prod(int(dim) for dim in filter(None, dims.split(","))) * bits / 8
     return total
-
-
-def _arrays(shape_text: str) -> list[str]:
-    """The array shapes of a shape's text, in order."""
-    return [match.group(0) for match in ARRAY.finditer(shape_text)]
-
-
-def _split_shape(rest: str) -> tuple[str, str]:
-    """'(a, b) op(...)' or 'f32[2]{0} op(...)' -> (shape, the rest)."""
-    if not rest.startswith("("):
-        shape, _, tail = rest.partition(" ")
-        return shape, tail
-    depth = 0
-    for i, char in enumerate(rest):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if depth == 0:
-            return rest[:i + 1], rest[i + 1:].lstrip()
-    raise ValueError(f"unbalanced shape in HLO: {rest[:80]}")
 
 
 def _parse_instruction(line: str) -> Instruction | None:
     match = INSTRUCTION.match(line)
     if not match:
         return None
-    name, rest = match.groups()
-    shape, rest = _split_shape(rest)
-    opcode, _, rest = rest.partition("(")
-    depth, end = 1, len(rest)
+    name, shape, opcode, rest = match.groups()
+    depth, end = 1, len(rest)  # the operands end at the parenthesis that closes theirs
     for i, char in enumerate(rest):
         depth += {"(": 1, ")": -1}.get(char, 0)
         if depth == 0:
             end = i
             break
-    operands = tuple(re.findall(r"%([\w.\-]+)", rest[:end]))
-    return Instruction(name, opcode.strip(), shape, operands, rest[end + 1:])
+    op_name = re.search(r'op_name="([^"]*)"', rest[end + 1:])
+    return Instruction(name, opcode, shape, tuple(re.findall(r"%([\w.\-]+)", rest[:end])), rest[end + 1:],
+                       op_name.group(1) if op_name else "")
 
 
 def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
     """(instructions of each computation by name, the entry computation's name)."""
-    computations, entry, lines = {}, None, []
-    for line in hlo_text.splitlines():  # a kernel's metadata may span lines: join them to their instruction
-        if line.startswith("  ") or not lines or lines[-1] is None or re.match(r"(ENTRY )?%\S+ \(|}$", line):
-            lines.append(None if line == "}" else line)
-        else:
-            lines[-1] += line
-    current = None
-    for line in lines:
-        header = None if line is None else re.match(r"(ENTRY )?%(\S+) \(", line)
-        if line is None:
-            current = None
-        elif header:
-            current = computations.setdefault(header.group(2), [])
-            entry = header.group(2) if header.group(1) else entry
-        elif current is not None:
-            instruction = _parse_instruction(line)
-            if instruction is not None:
-                current.append(instruction)
+    computations, entry = {}, None
+    for match in re.finditer(r"^(ENTRY )?%(\S+) \(.*?\n(.*?)^}$", hlo_text, re.M | re.S):
+        body = re.sub(r"\n(?!  )", "", match.group(3))  # a kernel's metadata may span lines: join them
+        computations[match.group(2)] = [i for i in map(_parse_instruction, body.splitlines()) if i is not None]
+        entry = match.group(2) if match.group(1) else entry
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry
@@ -116,7 +78,7 @@ def part_of(instruction: Instruction, computations: dict[str, list[Instruction]]
     """The part of the model an instruction belongs to, by its opcode and source path."""
     if instruction.opcode in LAYOUT_OPS or _fused_root(instruction, computations) in LAYOUT_OPS:
         return "layout copies"
-    path = instruction.op_name()
+    path = instruction.op_name
     if "/attn/" in path:
         return "attention"
     if "/mlp/" in path:
@@ -130,38 +92,15 @@ def part_of(instruction: Instruction, computations: dict[str, list[Instruction]]
     return "other"
 
 
-def _parts(body: list[Instruction], computations: dict[str, list[Instruction]]) -> dict[str, str]:
-    """The part of each instruction of a computation. One without a source path (a TPU's prefetch
-    into on-chip memory, say) takes the part of the instruction that uses its result."""
-    parts = {i.name: part_of(i, computations) for i in body}
-    users = collections.defaultdict(list)
-    for instruction in body:
-        for operand in instruction.operands:
-            users[operand].append(instruction.name)
-    for instruction in reversed(body):  # users come later, so their parts are settled first
-        if parts[instruction.name] == "other" and not instruction.op_name():
-            found = [parts[u] for u in users[instruction.name] if parts[u] != "other"]
-            if found:
-                parts[instruction.name] = found[0]
-    return parts
-
-
 def _fused_root(instruction: Instruction, computations: dict[str, list[Instruction]]) -> str | None:
     """The opcode a fusion ends in, looking through bitcasts (a fused transpose is a layout copy)."""
-    if instruction.opcode != "fusion":
-        return None
-    called = re.search(r"calls=%([\w.\-]+)", instruction.attributes)
+    called = re.search(r"calls=%([\w.\-]+)", instruction.attributes) if instruction.opcode == "fusion" else None
     body = computations.get(called.group(1), []) if called else []
     by_name = {i.name: i for i in body}
     root = body[-1] if body else None
     while root is not None and root.opcode == "bitcast" and root.operands:
         root = by_name.get(root.operands[0])
     return root.opcode if root else None
-
-
-def _trip_count(instruction: Instruction) -> int:
-    match = re.search(r'"known_trip_count":\{"n":"(\d+)"', instruction.attributes)
-    return int(match.group(1)) if match else 1
 
 
 def count(hlo_text: str) -> dict[str, float]:
@@ -172,13 +111,24 @@ def count(hlo_text: str) -> dict[str, float]:
     def walk(name: str, times: int) -> None:
         body = computations[name]
         shapes = {i.name: i.output for i in body}
-        parts = _parts(body, computations)
+        parts = {i.name: part_of(i, computations) for i in body}
+        users = collections.defaultdict(list)
+        for instruction in body:
+            for operand in instruction.operands:
+                users[operand].append(instruction.name)
+        # One without a source path (a TPU's prefetch into on-chip memory, say) takes the part of the first
+        # instruction that uses its result; users come later, so their parts are settled first.
+        for instruction in reversed(body):
+            if parts[instruction.name] == "other" and not instruction.op_name:
+                parts[instruction.name] = next((parts[u] for u in users[instruction.name] if parts[u] != "other"),
+                                               "other")
         for instruction in body:
             opcode = instruction.opcode
             if opcode in ("while", "call"):  # a loop's body counts once a trip; a call's once
-                key, trips = ("body", _trip_count(instruction)) if opcode == "while" else ("to_apply", 1)
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', instruction.attributes)
+                key = "body" if opcode == "while" else "to_apply"
                 for computation in re.findall(rf"{key}=%([\w.\-]+)", instruction.attributes):
-                    walk(computation, times * trips)
+                    walk(computation, times * (int(trips.group(1)) if trips else 1))
                 continue
             if opcode in FREE:
                 continue
@@ -189,7 +139,7 @@ def count(hlo_text: str) -> dict[str, float]:
             if opcode in ("slice", "dynamic-slice"):
                 read = written
             elif opcode == "slice-start":
-                read = sum(array_bytes(shape, on_chip_too=True) for shape in _arrays(instruction.output)[-2:])
+                read = array_bytes(" ".join(m.group(0) for m in list(ARRAY.finditer(instruction.output))[-2:]), True)
             if opcode.endswith("-start"):
                 written = 0.0  # the output aliases the source; the write is the -done's
             elif opcode.endswith("-done"):

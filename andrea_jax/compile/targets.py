@@ -9,33 +9,23 @@ is named by a target description kept in `gpu_targets/` (`t4`, `a100_40gb`...).
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
 import os
+import pathlib
 import re
 from andrea_jax.config import ConfigError
 
 GIB = 2 ** 30
-GPU_TARGETS_DIR = os.path.join(os.path.dirname(__file__), "gpu_targets")
-# JAX's GPU allocator takes this share of the memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
-JAX_DEFAULT_GPU_MEMORY_FRACTION = 0.75
+GPU_TARGETS_DIR = pathlib.Path(__file__).parent / "gpu_targets"
 
-
-@dataclasses.dataclass(frozen=True)
-class TpuGeneration:
-    topology_prefix: str  # libtpu's name for the generation
-    chip_config: str  # "megacore": one device per chip of two TensorCores
-    cores_per_chip: int  # how many of the slice name's count make a chip
-    dimensions: int  # the chips' torus: 2-D or 3-D
-    hbm_bytes: int  # HBM per chip that the TPU compiler lets a program use
-    hbm_bytes_per_second: float  # Cloud TPU's published HBM bandwidth per chip
-
-
+# libtpu's name for the generation, the HBM a chip lets a program use, and Cloud TPU's published HBM
+# bandwidth a chip. v4 and v5p chips are "megacore" (one device of two TensorCores, which their slice
+# names count) in a 3-D torus; v5e and v6e chips have one core each, in a 2-D torus.
 TPU_GENERATIONS = {
-    "v5e": TpuGeneration("v5e", "default", 1, 2, int(15.75 * GIB), 819e9),
-    "v6e": TpuGeneration("v6e", "default", 1, 2, int(31.25 * GIB), 1640e9),
-    "v4": TpuGeneration("v4", "megacore", 2, 3, int(32 * GIB), 1228e9),
-    "v5p": TpuGeneration("v5", "megacore", 2, 3, int(95 * GIB), 2765e9),
+    "v5e": ("v5e", int(15.75 * GIB), 819e9),
+    "v6e": ("v6e", int(31.25 * GIB), 1640e9),
+    "v4": ("v4", 32 * GIB, 1228e9),
+    "v5p": ("v5", 95 * GIB, 2765e9),
 }
 
 
@@ -66,47 +56,46 @@ def tpu(name: str) -> Target:
     if not match:
         raise ConfigError(f"--topology {name} is not a known accelerator; use a TPU slice such as v5e-1, v6e-8, "
                           f"v4-32 or v5p-16, or a GPU among {', '.join(gpu_names())}")
-    generation = TPU_GENERATIONS[match.group(1)]
-    count = int(match.group(2))
-    chips, rest = divmod(count, generation.cores_per_chip)
-    if rest or chips < 1 or chips & (chips - 1) or (generation.dimensions == 3 and chips < 4):
-        raise ConfigError(f"--topology {name}: slices of {match.group(1)} come in powers of two "
-                          f"{'from 8 cores' if generation.dimensions == 3 else 'chips'}, e.g. "
-                          f"{match.group(1)}-{8 if generation.dimensions == 3 else 4}")
+    generation, count = match.group(1), int(match.group(2))
+    prefix, hbm_bytes, hbm_bytes_per_second = TPU_GENERATIONS[generation]
+    megacore = generation in ("v4", "v5p")
+    chips = count // 2 if megacore else count
+    if (megacore and count % 2) or chips < (4 if megacore else 1) or chips & (chips - 1):
+        raise ConfigError(f"--topology {name}: slices of {generation} come in powers of two "
+                          f"{'from 8 cores' if megacore else 'chips'}, e.g. {generation}-{8 if megacore else 4}")
     # libtpu lets one process at a time hold it (a lock file in /tmp), for the chips' sake; compiling
     # for chips that are not here takes none, so two checks (or a check beside tests) may run at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    shape = _torus(chips, generation.dimensions)
-    single_host = chips <= (8 if generation.dimensions == 2 else 4)
+    shape = _torus(chips, 3 if megacore else 2)
+    single_host = chips <= (4 if megacore else 8)
     host_bounds = tuple(shape) + (1,) * (3 - len(shape)) if single_host else (2, 2, 1)
     try:
         topology = topologies.get_topology_desc(
-            platform="tpu", topology_name=f"{generation.topology_prefix}:{'x'.join(map(str, shape))}",
-            chip_config_name=generation.chip_config, chips_per_host_bounds=host_bounds)
+            platform="tpu", topology_name=f"{prefix}:{'x'.join(map(str, shape))}",
+            chip_config_name="megacore" if megacore else "default", chips_per_host_bounds=host_bounds)
     except Exception as error:  # no libtpu: the runtime's message differs between versions
         import jax
         raise ConfigError(f"--topology {name} needs XLA's TPU compiler ({str(error).splitlines()[0][:120]}); "
                           f'pip install "jax[tpu]=={jax.__version__}"') from error
     devices = list(topology.devices)
-    return Target(name, devices, generation.hbm_bytes, f"{match.group(1)} HBM a chip",
-                  len({d.process_index for d in devices}), generation.hbm_bytes_per_second)
+    return Target(name, devices, hbm_bytes, f"{generation} HBM a chip", len({d.process_index for d in devices}),
+                  hbm_bytes_per_second)
 
 
 def gpu_names() -> list[str]:
-    return sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(GPU_TARGETS_DIR, "*.txtpb")))
+    return sorted(path.stem for path in GPU_TARGETS_DIR.glob("*.txtpb"))
 
 
 def gpu_memory_fraction() -> float:
-    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_GPU_MEMORY_FRACTION))
+    """The share of a GPU's memory JAX's allocator takes: 0.75 unless XLA_PYTHON_CLIENT_MEM_FRACTION says."""
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
 
 
 def gpu(name: str) -> Target:
     """A compile-only NVIDIA GPU from its description in gpu_targets/, with JAX's memory pool as the limit."""
     from jax.experimental import topologies
 
-    path = os.path.join(GPU_TARGETS_DIR, f"{name}.txtpb")
-    with open(path) as f:
-        text = f.read()
+    text = (GPU_TARGETS_DIR / f"{name}.txtpb").read_text()
     memory = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
     try:
         topology = topologies.get_topology_desc(platform="cuda", target_config=text, topology="1x1x1")
@@ -121,10 +110,4 @@ def gpu(name: str) -> Target:
 
 def named(name: str) -> Target:
     return gpu(name) if name in gpu_names() else tpu(name)
-
-
-def describe(target: Target) -> str:
-    kind = target.devices[0].device_kind
-    return (f"{target.name}: {len(target.devices)} × {kind} over {target.num_hosts} host(s), "
-            f"{target.memory_limit / GIB:.2f} GiB a device ({target.memory_source})")
 
