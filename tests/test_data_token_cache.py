@@ -163,8 +163,8 @@ def test_max_tokens_stops_the_split_there_and_reads_no_further(tmp_path):
     object.__setattr__(documents, "stops", [])
     split = token_cache.build(documents, ByteTokenizer(), str(tmp_path), "train", IDENTITY,
                               progress=False, max_tokens=100_000)
-    expected = [t for d in documents.texts for t in [*d.encode("utf-8"), 256]]
-    needed = int(np.searchsorted(np.cumsum([len(d.encode()) + 1 for d in documents.texts]), 100_000)) + 1
+    expected = [t for d in documents for t in [*d.encode("utf-8"), 256]]
+    needed = int(np.searchsorted(np.cumsum([len(d.encode()) + 1 for d in documents]), 100_000)) + 1
     assert split.tokens.tolist() == expected[:100_000]
     assert split.manifest["num_documents"] == needed and split.manifest["max_tokens"] == 100_000
     kept = expected[:100_000]

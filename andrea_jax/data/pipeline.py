@@ -159,8 +159,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = T
     except (OSError, ValueError, KeyError) as error:
         raise DataError(f"cannot read {record_path} ({error}); the leading process must prepare "
                         f"the data first, in a workdir all processes share") from None
-    tokenizer = tokenizers.load(os.path.join(workdir, TOKENIZER_FILE))
-    _check_vocab(tokenizer, config, os.path.join(workdir, TOKENIZER_FILE))
+    tokenizer = tokenizers.load(os.path.join(workdir, TOKENIZER_FILE))  # the leader checked it against the config
     loaded = []
     for split in ("train", "val"):
         cached, problem = token_cache.load(directory, split)

@@ -19,7 +19,7 @@ import os
 import re
 import socket
 import sys
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Sequence, Union
 
 import ml_collections
 import tensorflow_datasets as tfds
@@ -35,15 +35,6 @@ NETWORK_PROBE = ("storage.googleapis.com", 443)
 def cache_dir_of(data: ml_collections.ConfigDict) -> str:
     """Where token caches and downloads go."""
     return os.path.expanduser(data.cache_dir or "~/.cache/andrea_jax")
-
-
-class Documents(Protocol):
-    """A split's documents, random access; a stream's (`StreamedDocuments`) are read in order, and
-    its length is only a bound: a read that returns fewer documents than asked is its end."""
-
-    def __len__(self) -> int: ...
-
-    def read(self, start: int, stop: int) -> list[str]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,20 +59,14 @@ class DataSourceDocuments:
         return [t.decode("utf-8", "replace") if isinstance(t, bytes) else str(t) for t in texts]  # TFDS Text: bytes
 
 
-@dataclasses.dataclass(frozen=True)
-class ListDocuments:
-    texts: Sequence[str]
-
-    def __len__(self) -> int:
-        return len(self.texts)
-
+class ListDocuments(list):
     def read(self, start: int, stop: int) -> list[str]:
-        return list(self.texts[start:stop])
+        return self[start:stop]
 
 
 class StreamedDocuments:
     """Documents read in order from a stream that `open_texts` starts (again, for a read before
-    the last one's end). Its length is a bound: `limit`, else unknown."""
+    the last one's end). Its length is only a bound, `limit` (else unknown): an empty read is its end."""
 
     def __init__(self, open_texts: Callable[[], Iterator[str]], limit: int = sys.maxsize) -> None:
         self.open_texts, self.limit = open_texts, limit
@@ -102,6 +87,10 @@ class StreamedDocuments:
         return texts
 
 
+# A split's documents: read(start, stop) -> their texts; all but a stream's at random.
+Documents = Union[DataSourceDocuments, ListDocuments, StreamedDocuments]
+
+
 @dataclasses.dataclass(frozen=True)
 class Splits:
     train: Documents
@@ -120,9 +109,9 @@ def network_available(timeout_s: float = 3.0, address: tuple[str, int] = NETWORK
         return False
 
 
-def missing_to_prepare(source) -> str | None:
-    """A module that preparing `source` (a `tfds:NAME[/CONFIG]` string, or a TFDS builder) imports and
-    this machine lacks, else None.
+def missing_to_prepare(source: str | type) -> str | None:
+    """A module that preparing `source` (a `tfds:NAME[/CONFIG]` string, or a TFDS builder class) imports
+    and this machine lacks, else None.
 
     It reads the builder's code: no data and no network, so a notebook can install what is missing
     first. Many TFDS builders read files through TensorFlow (lm1b, tiny_shakespeare) or run on Apache
@@ -132,11 +121,9 @@ def missing_to_prepare(source) -> str | None:
         kind, _, name = source.partition(":")
         if kind != "tfds":
             return None
-        builder_class = tfds.builder_cls(name.split("/")[0])
-    else:
-        builder_class = type(source)
+        source = tfds.builder_cls(name.split("/")[0])
     try:
-        code = inspect.getsource(sys.modules[builder_class.__module__])
+        code = inspect.getsource(sys.modules[source.__module__])
     except OSError:
         return None
     for module, pattern in (("tensorflow", r"\bimport tensorflow\b"), ("apache_beam", r"\bapache_beam\b")):
@@ -152,7 +139,7 @@ def ensure_prepared(builder, network_check: Callable[[], bool] = network_availab
     if builder.is_prepared():
         return
     name = builder.info.full_name
-    missing = missing_to_prepare(builder)
+    missing = missing_to_prepare(type(builder))
     if missing:
         raise DataError(f"preparing TFDS dataset {name} needs {missing}, which is not installed; "
                         f"pip install {'tensorflow-cpu' if missing == 'tensorflow' else 'apache-beam'}, or "

@@ -58,12 +58,6 @@ def _paths(directory: str, split: str) -> tuple[str, str]:
     return os.path.join(directory, f"{split}.bin"), os.path.join(directory, f"{split}.json")
 
 
-def _opened(tokens_path: str, manifest: dict) -> TokenSplit:
-    num_tokens = int(manifest["num_tokens"])
-    tokens = np.memmap(tokens_path, dtype=TOKEN_DTYPE, mode="r", shape=(num_tokens,))
-    return TokenSplit(tokens, num_tokens, int(manifest["num_bytes"]), manifest, tokens_path)
-
-
 def load(directory: str, split: str) -> tuple[TokenSplit | None, str]:
     """(the cached split, "") or (None, why it cannot be used; "" when there is none). The format
     and the tokenizer need no check: the directory's key holds them."""
@@ -73,13 +67,15 @@ def load(directory: str, split: str) -> tuple[TokenSplit | None, str]:
     try:
         with open(manifest_path, encoding="utf-8") as f:
             manifest = json.load(f)
-        expected = int(manifest["num_tokens"]) * np.dtype(TOKEN_DTYPE).itemsize
+        num_tokens, num_bytes = int(manifest["num_tokens"]), int(manifest["num_bytes"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         return None, f"unreadable manifest ({error})"
+    expected = num_tokens * np.dtype(TOKEN_DTYPE).itemsize
     size = os.path.getsize(tokens_path) if os.path.exists(tokens_path) else -1
     if size != expected:
         return None, f"token file has {size} bytes, manifest says {expected}"
-    return _opened(tokens_path, manifest), ""
+    tokens = np.memmap(tokens_path, dtype=TOKEN_DTYPE, mode="r", shape=(num_tokens,))
+    return TokenSplit(tokens, num_tokens, num_bytes, manifest, tokens_path), ""
 
 
 def _encode_with_separators(tokenizer: Tokenizer, texts: list[str], budget: int) -> tuple[np.ndarray, int, int]:
@@ -92,12 +88,10 @@ def _encode_with_separators(tokenizer: Tokenizer, texts: list[str], budget: int)
     for used, text in enumerate(texts, 1):
         if not text:  # empty documents add nothing
             continue
-        ids = next(encoded)
-        if num_tokens + ids.size + len(separator) > budget:
-            ids = ids[:budget - num_tokens]
-            pieces.append(ids)
-            num_tokens += ids.size
-            num_bytes += len(tokenizer.decode(ids.tolist()).encode("utf-8"))
+        ids, room = next(encoded), budget - num_tokens
+        if ids.size + len(separator) > room:  # the budget ends inside this text
+            pieces.append(ids[:room])
+            num_bytes += len(tokenizer.decode(ids[:room].tolist()).encode("utf-8"))
             break
         pieces += [ids, *separator]
         num_tokens += ids.size + len(separator)
@@ -191,7 +185,7 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
         "num_documents": num_documents, "max_tokens": max_tokens, "build_seconds": round(time.perf_counter() - started, 3),
     }
     atomic.write(manifest_path, json.dumps(manifest, indent=1))
-    return _opened(tokens_path, manifest)
+    return load(directory, split)[0]  # as the next run will read it
 
 
 def load_or_build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str,
