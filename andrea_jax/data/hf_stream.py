@@ -108,8 +108,8 @@ def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> so
                             f"has it, else of {train_split!r}, which training skips",
                 "train_tokens": train_tokens}
     if local:  # local files: their names, sizes and times are part of the key
-        root = arguments["path"]
-        identity["files"] = local_files.fingerprint(root, local_files.walk(root, lambda n: not n.startswith(".")))
+        files = local_files.walk(arguments["path"], lambda name: not name.startswith("."))
+        identity["files"] = local_files.fingerprint(arguments["path"], files)
     return sources.Splits(sources.StreamedDocuments(lambda: texts(val=False)),
                           sources.StreamedDocuments(lambda: texts(val=True), limit=val_documents),
                           identity, train_tokens=train_tokens)

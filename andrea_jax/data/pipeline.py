@@ -69,14 +69,6 @@ def training_sample(documents: Documents, max_bytes: int) -> list[str]:
     return sample
 
 
-def _check_vocab(tokenizer: Tokenizer, config: ml_collections.ConfigDict, described: str) -> None:
-    wanted = int(config.model.vocab_size)
-    if wanted and tokenizer.vocab_size != wanted:
-        raise DataError(
-            f"{described} has {tokenizer.vocab_size} entries but model.vocab_size={wanted}; "
-            f"set model.vocab_size={tokenizer.vocab_size} (or 0 to take the tokenizer's size)")
-
-
 def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Tokenizer:
     kind = str(config.data.tokenizer)
     if kind == "byte":
@@ -101,20 +93,22 @@ def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Token
 def tokenizer_for_run(config: ml_collections.ConfigDict, workdir: str, train: Documents) -> Tokenizer:
     """The workdir's tokenizer.json if it has one (never retrained), else a new one saved there."""
     path, requested = os.path.join(workdir, TOKENIZER_FILE), str(config.data.tokenizer)
-    if not os.path.exists(path):
-        tokenizer = _new_tokenizer(config, train)
-        _check_vocab(tokenizer, config, f"the new {tokenizer.kind} tokenizer")
-        tokenizer.save(path)
-        return tokenizer
-    tokenizer = tokenizers.load(path)
-    if requested in ("bpe", "byte", "char"):
+    resumed = os.path.exists(path)
+    tokenizer = tokenizers.load(path) if resumed else _new_tokenizer(config, train)
+    if resumed and requested in ("bpe", "byte", "char"):
         if tokenizer.kind != requested:
             raise DataError(f"{path} is a {tokenizer.kind} tokenizer but data.tokenizer={requested!r}; "
                             f"set data.tokenizer={tokenizer.kind!r} or use a new workdir")
-    elif os.path.isfile(requested) and tokenizers.load(requested).sha256 != tokenizer.sha256:
+    elif resumed and os.path.isfile(requested) and tokenizers.load(requested).sha256 != tokenizer.sha256:
         raise DataError(f"{path} differs from data.tokenizer={requested!r}; "
                         f"use a new workdir or point data.tokenizer at {path}")
-    _check_vocab(tokenizer, config, path)
+    wanted = int(config.model.vocab_size)
+    if wanted and tokenizer.vocab_size != wanted:
+        described = path if resumed else f"the new {tokenizer.kind} tokenizer"
+        raise DataError(f"{described} has {tokenizer.vocab_size} entries but model.vocab_size={wanted}; "
+                        f"set model.vocab_size={tokenizer.vocab_size} (or 0 to take the tokenizer's size)")
+    if not resumed:
+        tokenizer.save(path)
     return tokenizer
 
 

@@ -177,13 +177,10 @@ def hold_out(documents: DataSourceDocuments, val_fraction: float) -> tuple[Docum
     # 90/10 split for a single file such as tinyshakespeare).
     texts = documents.read(0, len(documents))
     cut = int(sum(map(len, texts)) * (1.0 - val_fraction) + 1e-6)  # 1 - 0.3 is 0.6999...
-    train, val, position = [], [], 0
-    for text in texts:
-        kept = min(max(cut - position, 0), len(text))
-        train += [text[:kept]] if kept else []
-        val += [text[kept:]] if kept < len(text) else []
-        position += len(text)
-    return ListDocuments(train), ListDocuments(val), f"last {val_fraction} of the text"
+    starts = itertools.accumulate(map(len, texts), initial=0)
+    halves = [(text[:max(cut - start, 0)], text[max(cut - start, 0):]) for text, start in zip(texts, starts)]
+    return (ListDocuments(head for head, _ in halves if head), ListDocuments(tail for _, tail in halves if tail),
+            f"last {val_fraction} of the text")
 
 
 def open_tfds(name: str, data: ml_collections.ConfigDict,
@@ -225,15 +222,15 @@ def open_source(data: ml_collections.ConfigDict, steps_tokens: int = 0) -> Split
     """The documents `data.source` names; `steps_tokens` (the tokens the run's steps read) sizes a stream."""
     source = str(data.source)
     kind, colon, spec = source.partition(":")
-    if source == "stdlib":
+    kind += colon  # "tfds:", "hf:", "text:", "url:" or "stdlib"
+    if kind == "stdlib":
         splits = open_local(*local_files.list_stdlib_files(), data)
-    elif colon and kind == "text":
-        splits = open_local(*local_files.list_text_files(spec), data)
-    elif colon and kind == "url":
-        splits = open_local(*local_files.list_text_files(local_files.download(spec, cache_dir_of(data))), data)
-    elif colon and kind == "tfds":
+    elif kind in ("text:", "url:"):
+        path = local_files.download(spec, cache_dir_of(data)) if kind == "url:" else spec
+        splits = open_local(*local_files.list_text_files(path), data)
+    elif kind == "tfds:":
         splits = open_tfds(spec, data)
-    elif colon and kind == "hf":
+    elif kind == "hf:":
         from andrea_jax.data import hf_stream  # it builds on this module
 
         splits = hf_stream.open_hf(spec, data, steps_tokens)
