@@ -25,7 +25,7 @@ from andrea_jax import UserError, checkpoint, model, resolve, run_dir, sharding,
 from andrea_jax.runtime import atomic
 from andrea_jax.tools import sampling
 from andrea_jax.config import ConfigError, validate
-from andrea_jax.data import batcher, pipeline, sources, token_cache
+from andrea_jax.data import batcher, pipeline
 from andrea_jax.data import tokenizer as tokenizers
 
 
@@ -106,9 +106,7 @@ def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step:
 
 def validation_split(config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer) -> token_cache.TokenSplit:
     """The validation tokens of `config.data`, from the token cache (built if missing)."""
-    splits = pipeline.open_splits(config)
-    directory = token_cache.cache_directory(sources.cache_dir_of(config.data), splits.identity, tokenizer.sha256)
-    return token_cache.load_or_build(splits.val, tokenizer, directory, "val", splits.identity)
+    return pipeline.token_split(config, pipeline.open_splits(config), tokenizer, "val")
 
 
 def scored_batches(step: Callable, params: Any, local_batch: Callable[[int], np.ndarray], batches: int,

@@ -67,7 +67,8 @@ def test_each_file_is_a_document_in_sorted_order(tmp_path):
     assert [os.path.relpath(f, root) for f in files] == ["a.txt", "b.txt", os.path.join("c", "d.py")]
     texts = local_files.FileTexts(files)
     assert len(texts) == 3
-    assert [texts[i]["text"] for i in range(3)] == ["first é😀", "second \ufffd\ufffd not utf-8", "print('third')\n"]
+    assert [r["text"] for r in texts.__getitems__([0, 1, 2])] == [
+        "first é😀", "second \ufffd\ufffd not utf-8", "print('third')\n"]
 
 
 def test_fingerprint_changes_with_the_files(tmp_path):

@@ -44,41 +44,36 @@ def read_all(documents):
 
 
 def test_dataset_with_its_own_validation_split(tmp_path):
-    builder = TwoSplitTexts(data_dir=str(tmp_path / "tfds"), file_format="array_record")
     data = data_config(tmp_path, text_field="content")
-    splits = sources.splits_of_builder(builder, data, network_check=lambda: True)
+    splits = sources.open_tfds("two_split_texts", data, network_check=lambda: True)  # TwoSplitTexts
     assert read_all(splits.train) == TRAIN_DOCS
     assert read_all(splits.val) == VAL_DOCS
     assert splits.identity["val_rule"] == "split validation"
 
 
 def test_dataset_without_the_validation_split_holds_out_every_kth_document(tmp_path):
-    builder = TwoSplitTexts(data_dir=str(tmp_path / "tfds"), file_format="array_record")
     data = data_config(tmp_path, text_field="content", val_split="test", val_fraction=0.1)
-    splits = sources.splits_of_builder(builder, data, network_check=lambda: True)
+    splits = sources.open_tfds("two_split_texts", data, network_check=lambda: True)
     assert read_all(splits.val) == TRAIN_DOCS[9::10]
     assert read_all(splits.train) == [d for i, d in enumerate(TRAIN_DOCS) if i % 10 != 9]
     assert splits.identity["val_rule"] == "every 10th document"
 
 
 def test_missing_field_and_split_name_the_fix(tmp_path):
-    builder = TwoSplitTexts(data_dir=str(tmp_path / "tfds"), file_format="array_record")
     with pytest.raises(DataError, match=r"no field 'text'; set data.text_field to one of \['content'\]"):
-        sources.splits_of_builder(builder, data_config(tmp_path), network_check=lambda: True)
+        sources.open_tfds("two_split_texts", data_config(tmp_path), network_check=lambda: True)
     with pytest.raises(DataError, match="no split 'training'"):
-        sources.splits_of_builder(builder, data_config(tmp_path, text_field="content",
-                                                       train_split="training"),
-                                  network_check=lambda: True)
+        sources.open_tfds("two_split_texts", data_config(tmp_path, text_field="content", train_split="training"),
+                          network_check=lambda: True)
 
 
 def test_unprepared_dataset_offline_fails_in_seconds(tmp_path):
-    builder = TwoSplitTexts(data_dir=str(tmp_path / "empty"), file_format="array_record")
     started = time.perf_counter()
     with pytest.raises(DataError, match="not prepared .* no network"):
-        sources.splits_of_builder(builder, data_config(tmp_path, text_field="content"),
-                                  network_check=lambda: False)
+        sources.open_tfds("two_split_texts", data_config(tmp_path, text_field="content"),
+                          network_check=lambda: False)
     assert time.perf_counter() - started < 5
-    assert not builder.is_prepared()
+    assert not TwoSplitTexts(data_dir=str(tmp_path / "tfds"), file_format="array_record").is_prepared()
 
 
 def test_network_probe_answers_quickly():
@@ -135,7 +130,7 @@ def test_single_file_holds_out_the_last_fraction_of_its_text(tmp_path):
 
 
 def test_few_documents_split_by_text_across_document_boundaries():
-    documents = sources.ListDocuments(["aaaa", "bbbb", "cccc", "dddd", "eeee"])
+    documents = sources.ListDocuments(["aaaa", "bbbb", "cccc", "dddd", "eeee"])  # too few to stride: only read
     train, val, rule = sources.hold_out(documents, 0.3)
     assert read_all(train) == ["aaaa", "bbbb", "cccc", "dd"]  # 70% of 20 characters
     assert read_all(val) == ["dd", "eeee"]

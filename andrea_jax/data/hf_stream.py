@@ -20,7 +20,7 @@ import functools
 import math
 import os
 import urllib.parse
-from typing import Callable, Iterator
+from typing import Iterator
 
 import ml_collections
 
@@ -29,7 +29,6 @@ from andrea_jax.data import DataError, local_files, sources
 # The steps draw their windows at random over the cache: with a tenth more text than they
 # read, a token is drawn about 0.9 times on average rather than once.
 STREAM_MARGIN = fractions.Fraction(11, 10)
-DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
 def load_arguments(name: str) -> dict:
@@ -46,26 +45,18 @@ def load_arguments(name: str) -> dict:
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether the hub (HF_ENDPOINT, else huggingface.co) takes a connection within timeout_s."""
-    endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT)
+    endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
     return sources.network_available(timeout_s, (endpoint.hostname or "", port))
 
 
-def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> sources.Splits:
-    """The streamed splits of `hf:NAME`; a hub dataset only once the hub answers."""
-    arguments = load_arguments(name)
-    local = os.path.isdir(arguments["path"])
-    return open_stream(arguments, data, steps_tokens, network_check=None if local else hub_reachable)
-
-
-def _load(arguments: dict, described: str, network_check: Callable[[], bool] | None):
-    if network_check is not None:
-        if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-            raise DataError(f"HF_HUB_OFFLINE is set, and {described} streams from the hub; unset it, "
-                            f"or use data.source='tfds:...', 'text:PATH' or 'stdlib'")
-        if not network_check():
-            raise DataError(f"the Hugging Face hub is unreachable, and {described} streams from it; "
-                            f"run online, or use data.source='tfds:...', 'text:PATH' or 'stdlib'")
+def _load(arguments: dict, described: str, from_hub: bool):
+    if from_hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        raise DataError(f"HF_HUB_OFFLINE is set, and {described} streams from the hub; unset it, "
+                        f"or use data.source='tfds:...', 'text:PATH' or 'stdlib'")
+    if from_hub and not hub_reachable():
+        raise DataError(f"the Hugging Face hub is unreachable, and {described} streams from it; "
+                        f"run online, or use data.source='tfds:...', 'text:PATH' or 'stdlib'")
     try:
         import datasets
     except ImportError:
@@ -78,10 +69,11 @@ def _load(arguments: dict, described: str, network_check: Callable[[], bool] | N
                         f"'hf:OWNER/NAME[/CONFIG]' against the dataset's page") from None
 
 
-def open_stream(arguments: dict, data: ml_collections.ConfigDict, steps_tokens: int,
-                network_check: Callable[[], bool] | None = None) -> sources.Splits:
-    """Train and validation documents of `datasets.load_dataset(**arguments, streaming=True)`, opened
-    at the first read; network_check, when given, must pass before the dataset is opened."""
+def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> sources.Splits:
+    """Train and validation documents of `hf:NAME`, opened at the first read (a hub dataset only
+    once the hub answers)."""
+    arguments = load_arguments(name)
+    local = os.path.isdir(arguments["path"])
     field, train_split, val_split = str(data.text_field), str(data.train_split), str(data.val_split)
     val_documents, stream_tokens = int(data.stream_val_documents), int(data.stream_tokens)
     if val_documents < 1:
@@ -93,40 +85,31 @@ def open_stream(arguments: dict, data: ml_collections.ConfigDict, steps_tokens: 
     if train_tokens < 1:
         raise DataError("a streamed source needs a size: set data.stream_tokens")
     described = f"Hugging Face dataset {'/'.join(str(a) for a in arguments.values())}"
+    dataset = functools.cache(lambda: _load(arguments, described, not local))
 
-    @functools.cache
-    def dataset():
-        return _load(arguments, described, network_check)
-
-    def texts(part: str) -> Iterator[str]:
+    def texts(val: bool) -> Iterator[str]:
         splits = dataset()
         if train_split not in splits:
             raise DataError(f"{described} has no split {train_split!r}; set data.train_split to one "
                             f"of {sorted(splits)}")
-        own_val = val_split in splits
-        if part == "val":
-            stream = splits[val_split if own_val else train_split]
-        else:
-            stream = splits[train_split] if own_val else splits[train_split].skip(val_documents)
-        if stream.features is not None and field not in stream.features:
-            raise DataError(f"{described} has no field {field!r}; set data.text_field to one of "
-                            f"{sorted(stream.features)}")
-        for record in stream.select_columns([field]) if stream.features is not None else stream:
+        held_out = val_split not in splits  # the train split's first documents are validation
+        stream = splits[val_split if val and not held_out else train_split]
+        stream = stream.skip(val_documents) if held_out and not val else stream
+        if stream.features is not None and field in stream.features:
+            stream = stream.select_columns([field])
+        for record in stream:
             if field not in record:
-                raise DataError(f"{described} has a record without the field {field!r}; set "
-                                f"data.text_field to one of {sorted(record)}")
-            text = record[field]
-            yield "" if text is None else str(text)
+                raise DataError(f"{described} has no field {field!r}; set data.text_field to one of "
+                                f"{sorted(record)}")
+            yield "" if record[field] is None else str(record[field])
 
     identity = {"dataset": arguments, "field": field, "train_split": train_split,
                 "val_rule": f"the first {val_documents} documents of split {val_split!r} if the dataset "
                             f"has it, else of {train_split!r}, which training skips",
                 "train_tokens": train_tokens}
-    if os.path.isdir(arguments["path"]):  # local files: their names, sizes and times are part of the key
-        root = arguments["path"]
-        files = sorted(os.path.join(d, n) for d, _, names in os.walk(root) for n in names
-                       if not n.startswith("."))
-        identity["files"] = local_files.fingerprint(root, files)
-    return sources.Splits(sources.StreamedDocuments(lambda: texts("train")),
-                          sources.StreamedDocuments(lambda: texts("val"), limit=val_documents),
+    if local:  # local files: their names, sizes and times are part of the key
+        files = local_files.walk(arguments["path"], lambda name: not name.startswith("."))
+        identity["files"] = local_files.fingerprint(arguments["path"], files)
+    return sources.Splits(sources.StreamedDocuments(lambda: texts(val=False)),
+                          sources.StreamedDocuments(lambda: texts(val=True), limit=val_documents),
                           identity, train_tokens=train_tokens)

@@ -13,7 +13,7 @@ import os
 import sysconfig
 import urllib.parse
 import urllib.request
-from typing import Sequence
+from typing import Callable, Sequence
 
 from andrea_jax.runtime import atomic
 from andrea_jax.data import DataError
@@ -25,15 +25,23 @@ TEXT_SUFFIXES = frozenset(
 # Directories that hold tests or installed packages, not the standard library.
 STDLIB_SKIPPED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
-_SNIFF_BYTES = 8192
 DOWNLOAD_TIMEOUT_S = 60
+
+
+def walk(root: str, keep: Callable[[str], bool], skipped: frozenset = frozenset()) -> list[str]:
+    """Sorted paths of the files under `root` whose names `keep` takes; hidden and `skipped` directories left out."""
+    found = []
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [d for d in subdirectories if d not in skipped and not d.startswith(".")]
+        found += [os.path.join(directory, n) for n in names if keep(n)]
+    return sorted(found)
 
 
 def _is_text_file(path: str) -> bool:
     """Readable, non-empty, and no NUL byte near the start (binary files have them)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(_SNIFF_BYTES)
+            head = f.read(8192)
     except OSError:
         return False
     return bool(head) and b"\0" not in head
@@ -57,30 +65,19 @@ def list_text_files(path_or_glob: str) -> tuple[str, list[str]]:
     if os.path.isfile(path):
         return os.path.dirname(path), _keep_text_files([path], path_or_glob)
     if os.path.isdir(path):
-        found = []
-        for directory, subdirectories, names in os.walk(path):
-            subdirectories[:] = sorted(d for d in subdirectories if not d.startswith("."))
-            found += [os.path.join(directory, n) for n in names
-                      if os.path.splitext(n)[1].lower() in TEXT_SUFFIXES]
-        return path, _keep_text_files(sorted(found), f"directory {path_or_glob!r}")
+        found = walk(path, lambda name: os.path.splitext(name)[1].lower() in TEXT_SUFFIXES)
+        return path, _keep_text_files(found, f"directory {path_or_glob!r}")
     matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-    root = os.path.commonpath(matches) if matches else path
-    root = os.path.dirname(root) if os.path.isfile(root) else root
-    return root, _keep_text_files(matches, f"text source {path_or_glob!r}")
+    files = _keep_text_files(matches, f"text source {path_or_glob!r}")
+    root = os.path.commonpath(matches)
+    return (os.path.dirname(root) if os.path.isfile(root) else root), files
 
 
 def list_stdlib_files() -> tuple[str, list[str]]:
     """(root, sorted .py files) of this Python's standard library, without its tests."""
     root = sysconfig.get_paths()["stdlib"]
-    found = []
-    for directory, subdirectories, names in os.walk(root):
-        relative = os.path.relpath(directory, root).replace(os.sep, "/")
-        subdirectories[:] = sorted(
-            d for d in subdirectories
-            if d not in STDLIB_SKIPPED_DIRS and not d.startswith(".")
-            and not (relative == "lib2to3" and d == "tests"))
-        found += [os.path.join(directory, n) for n in names if n.endswith(".py")]
-    return root, _keep_text_files(sorted(found), f"standard library {root!r}")
+    found = walk(root, lambda name: name.endswith(".py"), STDLIB_SKIPPED_DIRS)
+    return root, _keep_text_files(found, f"standard library {root!r}")
 
 
 def download(url: str, cache_dir: str) -> str:
@@ -111,15 +108,12 @@ def fingerprint(root: str, files: Sequence[str]) -> str:
     return digest.hexdigest()[:20]
 
 
-class FileTexts(Sequence):
-    """Item i is {"text": the contents of file i}: a data source that `sources.DataSourceDocuments` reads."""
+class FileTexts(list):
+    """The files, as records {"text": a file's contents} of a data source `sources.DataSourceDocuments` reads."""
 
-    def __init__(self, files: Sequence[str]) -> None:
-        self.files = list(files)
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, index: int) -> dict:
-        with open(self.files[index], encoding="utf-8", errors="replace", newline="") as f:
-            return {"text": f.read()}
+    def __getitems__(self, indices: Sequence[int]) -> list[dict]:
+        records = []
+        for index in indices:
+            with open(self[index], encoding="utf-8", errors="replace", newline="") as f:
+                records.append({"text": f.read()})
+        return records

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
+from typing import Iterator
 
 import ml_collections
 
@@ -40,6 +42,13 @@ def open_splits(config: ml_collections.ConfigDict) -> sources.Splits:
     return sources.open_source(config.data, steps_tokens)
 
 
+def _texts(documents: Documents, start: int = 0, stop: int = sys.maxsize) -> Iterator[str]:
+    """The documents from start to stop (a stream's end: an empty read), read in batches."""
+    while start < stop and (texts := documents.read(start, min(stop, start + _READ_DOCUMENTS))):
+        yield from texts
+        start += len(texts)
+
+
 def training_sample(documents: Documents, max_bytes: int) -> list[str]:
     """About max_bytes of text from evenly spaced stretches of the documents (a stream: its first).
 
@@ -47,36 +56,17 @@ def training_sample(documents: Documents, max_bytes: int) -> list[str]:
     no random access, and what its start holds is what the run trains on first.
     """
     total = len(documents)
-    streamed = isinstance(documents, sources.StreamedDocuments)
-    chunks = 1 if streamed else max(1, min(_SAMPLE_CHUNKS, total))
+    chunks = 1 if isinstance(documents, sources.StreamedDocuments) else max(1, min(_SAMPLE_CHUNKS, total))
     per_chunk = max(1, max_bytes // chunks)
     sample = []
     for chunk in range(chunks):
-        position, stop, taken = chunk * total // chunks, (chunk + 1) * total // chunks, 0
-        while position < stop and taken < per_chunk:
-            texts = documents.read(position, min(stop, position + _READ_DOCUMENTS))
-            if not texts:  # a stream's end
+        taken = 0
+        for text in _texts(documents, chunk * total // chunks, (chunk + 1) * total // chunks):
+            sample.append(text[:per_chunk - taken])
+            taken += len(sample[-1])
+            if taken >= per_chunk:
                 break
-            for text in texts:
-                if taken >= per_chunk:
-                    break
-                sample.append(text[:per_chunk - taken])
-                taken += len(sample[-1])
-            position += len(texts)
     return sample
-
-
-def _all_texts(documents: Documents):
-    for position in range(0, len(documents), _READ_DOCUMENTS):
-        yield from documents.read(position, position + _READ_DOCUMENTS)
-
-
-def _check_vocab(tokenizer: Tokenizer, config: ml_collections.ConfigDict, described: str) -> None:
-    wanted = int(config.model.vocab_size)
-    if wanted and tokenizer.vocab_size != wanted:
-        raise DataError(
-            f"{described} has {tokenizer.vocab_size} entries but model.vocab_size={wanted}; "
-            f"set model.vocab_size={tokenizer.vocab_size} (or 0 to take the tokenizer's size)")
 
 
 def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Tokenizer:
@@ -85,7 +75,7 @@ def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Token
         return tokenizers.ByteTokenizer()
     if kind == "char":
         print("collecting the character tokenizer's characters from the training split", flush=True)
-        return tokenizers.build_char(_all_texts(train))
+        return tokenizers.build_char(_texts(train))
     if kind == "bpe":
         wanted = int(config.model.vocab_size)
         # 256 byte tokens + merges + end-of-text: the model's size fixes the merges.
@@ -100,32 +90,41 @@ def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Token
     return tokenizers.load(kind)
 
 
-def _check_resumed_tokenizer(saved: Tokenizer, requested: str, path: str) -> None:
-    if requested in ("bpe", "byte", "char"):
-        if saved.kind != requested:
-            raise DataError(f"{path} is a {saved.kind} tokenizer but data.tokenizer={requested!r}; "
-                            f"set data.tokenizer={saved.kind!r} or use a new workdir")
-    elif os.path.isfile(requested) and tokenizers.load(requested).sha256 != saved.sha256:
-        raise DataError(f"{path} differs from data.tokenizer={requested!r}; "
-                        f"use a new workdir or point data.tokenizer at {path}")
-
-
 def tokenizer_for_run(config: ml_collections.ConfigDict, workdir: str, train: Documents) -> Tokenizer:
     """The workdir's tokenizer.json if it has one (never retrained), else a new one saved there."""
-    path = os.path.join(workdir, TOKENIZER_FILE)
-    if os.path.exists(path):
-        tokenizer = tokenizers.load(path)
-        _check_resumed_tokenizer(tokenizer, str(config.data.tokenizer), path)
-        _check_vocab(tokenizer, config, path)
-        return tokenizer
-    tokenizer = _new_tokenizer(config, train)
-    _check_vocab(tokenizer, config, f"the new {tokenizer.kind} tokenizer")
-    os.makedirs(workdir, exist_ok=True)
-    tokenizer.save(path)
+    path, requested = os.path.join(workdir, TOKENIZER_FILE), str(config.data.tokenizer)
+    resumed = os.path.exists(path)
+    tokenizer = tokenizers.load(path) if resumed else _new_tokenizer(config, train)
+    if resumed and requested in ("bpe", "byte", "char"):
+        if tokenizer.kind != requested:
+            raise DataError(f"{path} is a {tokenizer.kind} tokenizer but data.tokenizer={requested!r}; "
+                            f"set data.tokenizer={tokenizer.kind!r} or use a new workdir")
+    elif resumed and os.path.isfile(requested) and tokenizers.load(requested).sha256 != tokenizer.sha256:
+        raise DataError(f"{path} differs from data.tokenizer={requested!r}; "
+                        f"use a new workdir or point data.tokenizer at {path}")
+    wanted = int(config.model.vocab_size)
+    if wanted and tokenizer.vocab_size != wanted:
+        described = path if resumed else f"the new {tokenizer.kind} tokenizer"
+        raise DataError(f"{described} has {tokenizer.vocab_size} entries but model.vocab_size={wanted}; "
+                        f"set model.vocab_size={tokenizer.vocab_size} (or 0 to take the tokenizer's size)")
+    if not resumed:
+        tokenizer.save(path)
     return tokenizer
 
 
-def _check_sizes(config: ml_collections.ConfigDict, train: TokenSplit, val: TokenSplit) -> None:
+def token_split(config: ml_collections.ConfigDict, splits: sources.Splits, tokenizer: Tokenizer,
+                split: str) -> TokenSplit:
+    """The token cache of `split` ("train" or "val"), built if missing, where the source and tokenizer key it."""
+    directory = token_cache.cache_directory(sources.cache_dir_of(config.data), splits.identity, tokenizer.sha256)
+    return token_cache.load_or_build(getattr(splits, split), tokenizer, directory, split, splits.identity,
+                                     max_tokens=splits.train_tokens if split == "train" else 0)
+
+
+def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
+    os.makedirs(workdir, exist_ok=True)
+    splits = open_splits(config)
+    tokenizer = tokenizer_for_run(config, workdir, splits.train)
+    train, val = (token_split(config, splits, tokenizer, split) for split in ("train", "val"))
     seq_len, batch_size = int(config.seq_len), int(config.batch_size)
     if train.num_tokens < seq_len + 1:
         raise DataError(f"the training split has {train.num_tokens} tokens, fewer than seq_len + 1 "
@@ -135,48 +134,31 @@ def _check_sizes(config: ml_collections.ConfigDict, train: TokenSplit, val: Toke
             f"the validation split has {val.num_tokens} tokens, less than one batch of "
             f"batch_size x seq_len = {batch_size * seq_len} (+1); raise data.val_fraction "
             f"(data.stream_val_documents for hf:), add text, or lower batch_size or seq_len")
-
-
-def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
-    cache_dir = sources.cache_dir_of(config.data)
-    os.makedirs(workdir, exist_ok=True)
-    splits = open_splits(config)
-    tokenizer = tokenizer_for_run(config, workdir, splits.train)
-    directory = token_cache.cache_directory(cache_dir, splits.identity, tokenizer.sha256)
-    train = token_cache.load_or_build(splits.train, tokenizer, directory, "train", splits.identity,
-                                      max_tokens=splits.train_tokens)
-    val = token_cache.load_or_build(splits.val, tokenizer, directory, "val", splits.identity)
-    _check_sizes(config, train, val)
-    record = {"cache_directory": directory, "tokenizer_sha256": tokenizer.sha256,
+    record = {"cache_directory": os.path.dirname(train.path), "tokenizer_sha256": tokenizer.sha256,
               "source": splits.identity}
     atomic.write(os.path.join(workdir, RECORD_FILE), json.dumps(record, indent=1))
     return Prepared(tokenizer, train, val)
 
 
-def _load_prepared(workdir: str) -> Prepared:
+def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = True) -> Prepared:
+    """Tokenizer and token caches for this config; only the leader writes anything, the others read
+    what it recorded."""
+    workdir = os.fspath(workdir)
+    if is_leader:
+        return _prepare_as_leader(config, workdir)
     record_path = os.path.join(workdir, RECORD_FILE)
     try:
         with open(record_path, encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError) as error:
+            directory = json.load(f)["cache_directory"]
+    except (OSError, ValueError, KeyError) as error:
         raise DataError(f"cannot read {record_path} ({error}); the leading process must prepare "
                         f"the data first, in a workdir all processes share") from None
-    tokenizer = tokenizers.load(os.path.join(workdir, TOKENIZER_FILE))
+    tokenizer = tokenizers.load(os.path.join(workdir, TOKENIZER_FILE))  # the leader checked it against the config
     loaded = []
     for split in ("train", "val"):
-        cached, problem = token_cache.load(record["cache_directory"], split, tokenizer.sha256)
+        cached, problem = token_cache.load(directory, split)
         if cached is None:
-            raise DataError(f"the {split} token cache in {record['cache_directory']} is unusable "
-                            f"({problem or 'missing'}); put data.cache_dir on a filesystem all "
-                            f"processes share")
+            raise DataError(f"the {split} token cache in {directory} is unusable ({problem or 'missing'}); "
+                            f"put data.cache_dir on a filesystem all processes share")
         loaded.append(cached)
     return Prepared(tokenizer, *loaded)
-
-
-def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = True) -> Prepared:
-    """Tokenizer and token caches for this config; only the leader writes anything."""
-    if is_leader:
-        return _prepare_as_leader(config, os.fspath(workdir))
-    prepared = _load_prepared(os.fspath(workdir))
-    _check_vocab(prepared.tokenizer, config, os.path.join(workdir, TOKENIZER_FILE))
-    return prepared

@@ -19,7 +19,7 @@ import os
 import re
 import socket
 import sys
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Sequence, Union
 
 import ml_collections
 import tensorflow_datasets as tfds
@@ -37,66 +37,36 @@ def cache_dir_of(data: ml_collections.ConfigDict) -> str:
     return os.path.expanduser(data.cache_dir or "~/.cache/andrea_jax")
 
 
-class Documents(Protocol):
-    """A split's documents, random access; a stream's (`StreamedDocuments`) are read in order, and
-    its length is only a bound: a read that returns fewer documents than asked is its end."""
-
-    def __len__(self) -> int: ...
-
-    def read(self, start: int, stop: int) -> list[str]: ...
-
-
-def _as_text(value) -> str:
-    # TFDS Text features come back as bytes.
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class DataSourceDocuments:
-    """Documents of a TFDS data source, optionally every k-th one (or all but those)."""
+    """Field `field` of the records of a TFDS-style data source, optionally every k-th one (or all but those)."""
 
-    source: Sequence
+    source: Sequence  # with __getitems__(positions) -> records
     field: str
     stride: int = 0  # 0: all documents
     held_out: bool = False  # with a stride: the k-th documents, else all others
 
     def __len__(self) -> int:
-        total = len(self.source)
-        if not self.stride:
-            return total
-        held_out = total // self.stride
-        return held_out if self.held_out else total - held_out
-
-    def _position(self, index: int) -> int:
-        if not self.stride:
-            return index
-        if self.held_out:
-            return index * self.stride + self.stride - 1
-        return index + index // (self.stride - 1)
+        held_out = len(self.source) // self.stride if self.stride else 0
+        return held_out if self.held_out else len(self.source) - held_out
 
     def read(self, start: int, stop: int) -> list[str]:
-        positions = [self._position(i) for i in range(start, min(stop, len(self)))]
-        if hasattr(self.source, "__getitems__"):
-            records = self.source.__getitems__(positions)
-        else:
-            records = [self.source[p] for p in positions]
-        return [_as_text(r[self.field]) for r in records]
+        # Held out: the last of each group of k; the others: each skips the held-out ones before it.
+        k = self.stride
+        positions = [i * k + k - 1 if self.held_out else i + i // (k - 1) if k else i
+                     for i in range(start, min(stop, len(self)))]
+        texts = [record[self.field] for record in self.source.__getitems__(positions)]
+        return [t.decode("utf-8", "replace") if isinstance(t, bytes) else str(t) for t in texts]  # TFDS Text: bytes
 
 
-@dataclasses.dataclass(frozen=True)
-class ListDocuments:
-    texts: Sequence[str]
-
-    def __len__(self) -> int:
-        return len(self.texts)
-
+class ListDocuments(list):
     def read(self, start: int, stop: int) -> list[str]:
-        return list(self.texts[start:stop])
+        return self[start:stop]
 
 
 class StreamedDocuments:
     """Documents read in order from a stream that `open_texts` starts (again, for a read before
-    the last one's end). Its length is a bound: `limit`, else unknown."""
+    the last one's end). Its length is only a bound, `limit` (else unknown): an empty read is its end."""
 
     def __init__(self, open_texts: Callable[[], Iterator[str]], limit: int = sys.maxsize) -> None:
         self.open_texts, self.limit = open_texts, limit
@@ -117,6 +87,10 @@ class StreamedDocuments:
         return texts
 
 
+# A split's documents: read(start, stop) -> their texts; all but a stream's at random.
+Documents = Union[DataSourceDocuments, ListDocuments, StreamedDocuments]
+
+
 @dataclasses.dataclass(frozen=True)
 class Splits:
     train: Documents
@@ -135,30 +109,26 @@ def network_available(timeout_s: float = 3.0, address: tuple[str, int] = NETWORK
         return False
 
 
-def missing_to_prepare(source: str) -> str | None:
-    """For a `tfds:NAME[/CONFIG]` source, a module its builder needs that this machine lacks (else None).
+def missing_to_prepare(source: str | type) -> str | None:
+    """A module that preparing `source` (a `tfds:NAME[/CONFIG]` string, or a TFDS builder class) imports
+    and this machine lacks, else None.
 
-    Needs no data and no network, so a notebook can install what is missing first.
+    It reads the builder's code: no data and no network, so a notebook can install what is missing
+    first. Many TFDS builders read files through TensorFlow (lm1b, tiny_shakespeare) or run on Apache
+    Beam (wikipedia, c4); finding out after a long download is worse.
     """
-    if not source.startswith("tfds:"):
-        return None
-    return missing_preparation_module(tfds.builder_cls(source[len("tfds:"):].split("/")[0]))
-
-
-def missing_preparation_module(builder) -> str | None:
-    """A module the builder's code (a builder or its class) imports to prepare, if this machine lacks it.
-
-    Many TFDS builders read files through TensorFlow (lm1b, tiny_shakespeare) or
-    run on Apache Beam (wikipedia, c4); finding out after a long download is worse.
-    """
-    module = sys.modules.get((builder if isinstance(builder, type) else type(builder)).__module__)
+    if isinstance(source, str):
+        kind, _, name = source.partition(":")
+        if kind != "tfds":
+            return None
+        source = tfds.builder_cls(name.split("/")[0])
     try:
-        code = inspect.getsource(module) if module else ""
-    except (OSError, TypeError):
+        code = inspect.getsource(sys.modules[source.__module__])
+    except OSError:
         return None
-    for name, pattern in (("tensorflow", r"\bimport tensorflow\b"), ("apache_beam", r"\bapache_beam\b")):
-        if re.search(pattern, code) and importlib.util.find_spec(name) is None:
-            return name
+    for module, pattern in (("tensorflow", r"\bimport tensorflow\b"), ("apache_beam", r"\bapache_beam\b")):
+        if re.search(pattern, code) and importlib.util.find_spec(module) is None:
+            return module
     return None
 
 
@@ -169,10 +139,10 @@ def ensure_prepared(builder, network_check: Callable[[], bool] = network_availab
     if builder.is_prepared():
         return
     name = builder.info.full_name
-    missing = missing_preparation_module(builder)
+    missing = missing_to_prepare(type(builder))
     if missing:
         raise DataError(f"preparing TFDS dataset {name} needs {missing}, which is not installed; "
-                        f"pip install {'tensorflow-cpu' if missing == 'tensorflow' else missing.replace('_', '-')}, or "
+                        f"pip install {'tensorflow-cpu' if missing == 'tensorflow' else 'apache-beam'}, or "
                         f"prepare it where it is and set data.tfds_data_dir")
     if not network_check():
         raise DataError(
@@ -195,66 +165,37 @@ def open_split(builder, split: str):
             f"prepare it again into an empty data.tfds_data_dir") from None
 
 
-def _check_field(builder, field: str) -> None:
-    features = builder.info.features
-    if field not in features:
-        raise DataError(f"{builder.info.full_name} has no field {field!r}; set data.text_field "
-                        f"to one of {sorted(features.keys())}")
-
-
-def hold_out(documents: Documents, val_fraction: float) -> tuple[Documents, Documents, str]:
+def hold_out(documents: DataSourceDocuments, val_fraction: float) -> tuple[Documents, Documents, str]:
     """(train, val, rule): every k-th document held out, or the text's last fraction."""
     if not 0.0 < val_fraction <= 0.5:
         raise DataError(f"data.val_fraction={val_fraction} must be in (0, 0.5]")
     stride = max(2, round(1.0 / val_fraction))
-    source = documents.source if isinstance(documents, DataSourceDocuments) else None
-    if source is not None and not documents.stride and len(documents) // stride >= MIN_VAL_DOCUMENTS:
-        field = documents.field
-        return (DataSourceDocuments(source, field, stride, held_out=False),
-                DataSourceDocuments(source, field, stride, held_out=True),
-                f"every {stride}th document")
+    if len(documents) // stride >= MIN_VAL_DOCUMENTS:
+        return (dataclasses.replace(documents, stride=stride),
+                dataclasses.replace(documents, stride=stride, held_out=True), f"every {stride}th document")
     # Too few documents: hold out the last fraction of the text (nanoGPT's
     # 90/10 split for a single file such as tinyshakespeare).
     texts = documents.read(0, len(documents))
     cut = int(sum(map(len, texts)) * (1.0 - val_fraction) + 1e-6)  # 1 - 0.3 is 0.6999...
-    train, val, position = [], [], 0
-    for text in texts:
-        if position + len(text) <= cut:
-            train.append(text)
-        elif position >= cut:
-            val.append(text)
-        else:
-            train.append(text[:cut - position])
-            val.append(text[cut - position:])
-        position += len(text)
-    return ListDocuments(train), ListDocuments(val), f"last {val_fraction} of the text"
-
-
-def _check_not_empty(splits: Splits, described: str) -> Splits:
-    for name, documents in (("train", splits.train), ("validation", splits.val)):
-        if len(documents) == 0:
-            raise DataError(f"{described} gives an empty {name} split; add text or change "
-                            f"data.val_fraction")
-    return splits
+    starts = itertools.accumulate(map(len, texts), initial=0)
+    halves = [(text[:max(cut - start, 0)], text[max(cut - start, 0):]) for text, start in zip(texts, starts)]
+    return (ListDocuments(head for head, _ in halves if head), ListDocuments(tail for _, tail in halves if tail),
+            f"last {val_fraction} of the text")
 
 
 def open_tfds(name: str, data: ml_collections.ConfigDict,
               network_check: Callable[[], bool] = network_available) -> Splits:
     """A registered TFDS dataset `NAME[/CONFIG]`: downloaded and prepared on first use."""
-    data_dir = data.tfds_data_dir or None
     try:
-        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+        builder = tfds.builder(name, data_dir=data.tfds_data_dir or None, file_format="array_record")
     except tfds.core.registered.DatasetNotFoundError:
         raise DataError(f"TFDS has no dataset {name!r}; check the name with "
                         f"tfds.list_builders() and data.source='tfds:NAME[/CONFIG]'") from None
-    return splits_of_builder(builder, data, network_check)
-
-
-def splits_of_builder(builder, data: ml_collections.ConfigDict,
-                      network_check: Callable[[], bool] = network_available) -> Splits:
-    """Train/val documents of a TFDS builder (prepared here when it is not yet)."""
     field, train_split, val_split = data.text_field, data.train_split, data.val_split
-    _check_field(builder, field)  # from the builder's code: fails before any download
+    features = builder.info.features  # from the builder's code: checked before any download
+    if field not in features:
+        raise DataError(f"{builder.info.full_name} has no field {field!r}; set data.text_field "
+                        f"to one of {sorted(features.keys())}")
     ensure_prepared(builder, network_check)
     available = set(builder.info.splits.keys())
     if train_split.split("[")[0] not in available:
@@ -265,36 +206,39 @@ def splits_of_builder(builder, data: ml_collections.ConfigDict,
         val, rule = DataSourceDocuments(open_split(builder, val_split), field), f"split {val_split}"
     else:
         train, val, rule = hold_out(train, float(data.val_fraction))
-    identity = {"dataset": builder.info.full_name, "field": field, "train_split": train_split,
-                "val_rule": rule}
-    return _check_not_empty(Splits(train, val, identity), builder.info.full_name)
+    return Splits(train, val, {"dataset": builder.info.full_name, "field": field,
+                               "train_split": train_split, "val_rule": rule})
 
 
 def open_local(root: str, files: Sequence[str], data: ml_collections.ConfigDict) -> Splits:
     """Local files, one document each: every k-th held out, or (few files) the text's last fraction."""
-    documents = DataSourceDocuments(local_files.FileTexts(files), "text")
-    train, val, rule = hold_out(documents, float(data.val_fraction))
-    identity = {"files": local_files.fingerprint(root, files), "num_files": len(files), "val_rule": rule}
-    return _check_not_empty(Splits(train, val, identity), f"{len(files)} files under {root}")
+    train, val, rule = hold_out(DataSourceDocuments(local_files.FileTexts(files), "text"),
+                                float(data.val_fraction))
+    return Splits(train, val, {"files": local_files.fingerprint(root, files), "num_files": len(files),
+                               "val_rule": rule})
 
 
 def open_source(data: ml_collections.ConfigDict, steps_tokens: int = 0) -> Splits:
     """The documents `data.source` names; `steps_tokens` (the tokens the run's steps read) sizes a stream."""
     source = str(data.source)
-    if source == "stdlib":
+    kind, colon, spec = source.partition(":")
+    kind += colon  # "tfds:", "hf:", "text:", "url:" or "stdlib"
+    if kind == "stdlib":
         splits = open_local(*local_files.list_stdlib_files(), data)
-    elif source.startswith("text:"):
-        splits = open_local(*local_files.list_text_files(source[len("text:"):]), data)
-    elif source.startswith("url:"):
-        path = local_files.download(source[len("url:"):], cache_dir_of(data))
+    elif kind in ("text:", "url:"):
+        path = local_files.download(spec, cache_dir_of(data)) if kind == "url:" else spec
         splits = open_local(*local_files.list_text_files(path), data)
-    elif source.startswith("tfds:"):
-        splits = open_tfds(source[len("tfds:"):], data)
-    elif source.startswith("hf:"):
+    elif kind == "tfds:":
+        splits = open_tfds(spec, data)
+    elif kind == "hf:":
         from andrea_jax.data import hf_stream  # it builds on this module
 
-        splits = hf_stream.open_hf(source[len("hf:"):], data, steps_tokens)
+        splits = hf_stream.open_hf(spec, data, steps_tokens)
     else:
         raise DataError(f"data.source={source!r} is not 'tfds:NAME[/CONFIG]', "
                         f"'hf:OWNER/NAME[/CONFIG]', 'text:PATH_OR_GLOB', 'url:URL' or 'stdlib'")
+    for name, documents in (("train", splits.train), ("validation", splits.val)):
+        if len(documents) == 0:  # before a tokenizer is trained on nothing and saved
+            raise DataError(f"data.source={source!r} gives an empty {name} split; add text or change "
+                            f"data.val_fraction")
     return dataclasses.replace(splits, identity={"source": source, **splits.identity})
