@@ -42,26 +42,20 @@ def records(content: bytes) -> Iterator[tuple[bytes, event_pb2.Event]]:
         offset = end
 
 
-def drop_after(directory: str, step: int) -> int:
-    """Rewrites (atomically) each event file in `directory` that holds events past `step`; returns
-    how many events went."""
+def drop_after(directory: str, step: int) -> None:
+    """Rewrites (atomically) each event file in `directory` that holds events past `step`."""
     if not os.path.isdir(directory):
-        return 0
-    for name in os.listdir(directory):
-        if name.startswith(_REWRITE_PREFIX):  # from a rewrite that was killed
-            os.remove(os.path.join(directory, name))
-    dropped = 0
+        return
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
+        if name.startswith(_REWRITE_PREFIX):  # from a rewrite that was killed
+            os.remove(path)
         if "tfevents" not in name or not os.path.isfile(path):
             continue
         with open(path, "rb") as f:
             content = f.read()
-        whole = list(records(content))
-        kept = [raw for raw, event in whole if event.step <= step]
+        kept = [raw for raw, event in records(content) if event.step <= step]
         if sum(len(raw) for raw in kept) < len(content):  # events past the step, or a record cut short
-            dropped += len(whole) - len(kept)
             # The default temporary name would contain "tfevents": TensorBoard reads every such
             # file, a half-written one too.
             atomic.write(path, b"".join(kept), temporary_name=f"{_REWRITE_PREFIX}{os.getpid()}")
-    return dropped
