@@ -29,7 +29,6 @@ UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir, next to checkpoints
 # Steps past `keep` are renamed in here (one atomic step), then removed: a kill while removing
 # never leaves a half-deleted step among the kept ones.
 DELETING_DIR = "deleting"  # in checkpoints/
-SAVE_MARGIN_BYTES = 2**20  # Orbax's metadata and indexes beside the arrays
 
 
 class CheckpointError(UserError):
@@ -83,8 +82,8 @@ class Checkpointer:
         """
         self._manager.wait_until_finished()  # as save() would: nothing is being renamed into DELETING_DIR now
         self._remove_deleted()
-        # The shards this process writes: one copy of each, uncompressed.
-        needed = SAVE_MARGIN_BYTES + sum(shard.data.nbytes for leaf in jax.tree.leaves(state)
+        # The shards this process writes (one copy of each, uncompressed), and 1 MiB for Orbax's metadata and indexes.
+        needed = 2**20 + sum(shard.data.nbytes for leaf in jax.tree.leaves(state)
                                          for shard in leaf.addressable_shards if shard.replica_id == 0)
         short = shutil.disk_usage(self.directory).free < needed
         if jax.process_count() > 1:  # all processes refuse together, or none does
@@ -103,10 +102,9 @@ class Checkpointer:
                 tokenizer_sha256: str | None = None) -> tuple[dict, dict] | None:
         """(state, meta) of `step`, or of the newest readable step; None when there is none.
 
-        abstract_state: {"params": ..., "opt_state": ..., ["loss_scale": ...]} of ShapeDtypeStructs with
-        shardings, each an item of its own ("params" alone with params_only). A checkpoint from another project or
-        tokenizer raises CheckpointError (the model's shape is the workdir's config.json, checked by
-        `run_dir.check_compatible`); an unreadable one is skipped for the one before.
+        abstract_state: {"params": ..., "opt_state": ..., ["loss_scale": ...]} of ShapeDtypeStructs with shardings,
+        an item each ("params" alone with params_only). A checkpoint of another project or tokenizer raises
+        CheckpointError (the model's shape is `run_dir.check_compatible`'s); an unreadable one is skipped.
         """
         steps = self.steps()
         if step is not None and step not in steps:

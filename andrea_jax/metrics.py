@@ -1,7 +1,7 @@
 """Where the numbers of a run go: metrics.jsonl and TensorBoard event files.
 
-Only the leader process writes; the others get a writer that does nothing, so
-the loop needs no `if process_index == 0` of its own.
+Only the leader process writes; the others get a writer that does nothing, so the loop needs no
+`if process_index == 0` of its own.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """AdamW with linear warmup, cosine/linear decay to a floor, and global-norm clipping.
 
-The train step passes each update its learning rate, the schedule at the state's
-step: a float16 step skipped on overflow still moves the schedule on (PyTorch's
-GradScaler with a scheduler does the same), and the rate logged is the rate applied.
+The train step passes each update its learning rate, the schedule at the state's step: a float16 step
+skipped on overflow still moves the schedule on (PyTorch's GradScaler with a scheduler does the same), and the
+rate logged is the rate applied.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 def weight_decay_mask(params: Any, decay_embedding: bool) -> Any:
     """True for the matrices that decay.
 
-    Biases and LayerNorm gains only shift and scale; decaying them pulls the
-    model toward a degenerate function, so (as GPT-2 and nanoGPT do) only
-    matrices decay. The position table is a lookup, not a map: it is left out.
+    Biases and LayerNorm gains only shift and scale; decaying them pulls the model toward a degenerate function,
+    so (as GPT-2 and nanoGPT do) only matrices decay. The position table is a lookup, not a map: it is left out.
     The tied token embedding is both; `decay_embedding` decides.
     """
     def decays(path, leaf) -> bool:

@@ -1,8 +1,7 @@
 """The run directory: its resolved config, and the checks that keep runs apart.
 
-A workdir holds one run. Resuming it with a config that changes the model's
-shape, or pointing a run at a directory that holds something else, stops with
-one line before anything in it is touched.
+A workdir holds one run. Resuming it with a config that changes the model's shape, or pointing a run at a
+directory that holds something else, stops with one line before anything in it is touched.
 """
 
 from __future__ import annotations
@@ -59,8 +58,7 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
 def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict, workdir: str) -> None:
     """The new config must build the same model as the saved one (other keys may change).
 
-    A saved model.vocab_size=0 is a run stopped before it knew its tokenizer: the tokenizer.json it
-    may have written decides.
+    A saved model.vocab_size=0 is a run stopped before it knew its tokenizer: its tokenizer.json decides.
     """
     for key in SHAPE_KEYS:
         old, new = saved.model[key], config.model[key]
@@ -70,9 +68,8 @@ def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.Co
 
 
 def schedule_changes(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> list[str]:
-    """The learning-rate schedule's keys a resume changes, as "key old → new" (a resume may change
-    them, but the schedule is then recomputed over the new values: `steps=1100` on a finished
-    1000-step run raises the rate again)."""
+    """The learning-rate schedule's keys a resume changes, as "key old → new" (the schedule is then recomputed
+    over the new values: `steps=1100` on a finished 1000-step run raises the rate again)."""
     pairs = [("steps", saved.steps, config.steps)] + [
         (f"optimizer.{key}", saved.optimizer[key], config.optimizer[key])
         for key in ("learning_rate", "warmup_steps", "decay", "min_learning_rate_ratio")]
@@ -89,9 +86,8 @@ def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 def hold(workdir: str) -> int:
     """Takes the run's lock on `workdir`, or raises ConfigError naming the process that holds it.
 
-    The lock is an flock on `run.lock`: the kernel drops it when its holder exits, even by
-    kill -9 or a lost machine, so a dead run never blocks the next. Returns the descriptor
-    to keep open for the run's life (closing it, or exiting, releases the lock).
+    The lock is an flock on `run.lock`: the kernel drops it when its holder exits, even by kill -9 or a lost
+    machine, so a dead run never blocks the next. Returns the descriptor to keep open for the run's life.
     """
     os.makedirs(workdir, exist_ok=True)
     descriptor = os.open(os.path.join(workdir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
