@@ -84,7 +84,7 @@ class Checkpointer:
         self._remove_deleted()
         # The shards this process writes (one copy of each, uncompressed), and 1 MiB for Orbax's metadata and indexes.
         needed = 2**20 + sum(shard.data.nbytes for leaf in jax.tree.leaves(state)
-                                         for shard in leaf.addressable_shards if shard.replica_id == 0)
+                             for shard in leaf.addressable_shards if shard.replica_id == 0)
         short = shutil.disk_usage(self.directory).free < needed
         if jax.process_count() > 1:  # all processes refuse together, or none does
             short = bool(multihost_utils.process_allgather(np.int32(short)).any())
