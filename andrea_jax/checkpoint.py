@@ -1,12 +1,10 @@
 """Orbax checkpoints of a run: params, optimizer state (and loss scale) and metadata as separate items.
 
-Separate items let eval restore params alone. Restores take abstract targets
-carrying the *current* shardings, so a checkpoint written on one mesh restores
-on any other. Orbax writes each step into a temporary directory and renames it
-when complete, so a killed save is never picked up; a step that is unreadable
-anyway (truncated by hand, disk trouble) is skipped for the previous one, and a
-training run moves it out of the way (never deletes it) so it can save that
-step again.
+Separate items let eval restore params alone. Restores take abstract targets carrying the
+*current* shardings, so a checkpoint written on one mesh restores on any other. Orbax renames
+each step into place when complete, so a killed save is never picked up; a step unreadable
+anyway (truncated by hand, disk trouble) is skipped for the previous one, and a training run
+moves it aside (never deletes it) so it can save that step again.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir, next to checkpoints
 # Steps past `keep` are renamed in here (one atomic step), then removed: a kill while removing
 # never leaves a half-deleted step among the kept ones.
 DELETING_DIR = "deleting"  # in checkpoints/
-SAVE_MARGIN_BYTES = 2**20  # Orbax's metadata and indexes beside the arrays
 
 
 class CheckpointError(UserError):
@@ -66,10 +63,8 @@ class Checkpointer:
     """A CheckpointManager keeping the newest `keep` steps, saving asynchronously."""
 
     def __init__(self, workdir: str, keep: int = 3, read_only: bool = False):
-        self.workdir = os.path.abspath(workdir)
         self.directory = directory_of(workdir)
         self.read_only = read_only
-        self.last_save_seconds = 0.0  # how long the last save() held the caller up
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                                create=not read_only, read_only=read_only,
                                                cleanup_tmp_directories=not read_only,
@@ -80,85 +75,66 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: dict, meta: dict) -> None:
-        """Starts an async save of the state at `step`; training goes on while it writes."""
-        started = time.perf_counter()
+        """Starts an async save of the state at `step`; training goes on while it writes.
+
+        A save the disk cannot hold is refused before anything is written: one that fails halfway
+        fails in Orbax's writer threads, long after the step, in many tracebacks.
+        """
         self._manager.wait_until_finished()  # as save() would: nothing is being renamed into DELETING_DIR now
         self._remove_deleted()
-        self._check_space(step, state)
-        meta = {"project": PROJECT, "format": FORMAT_VERSION, "step": int(step), **meta}
-        arrays = {item: ocp.args.StandardSave(tree) for item, tree in state.items() if item != "step"}
-        self._manager.save(step, args=ocp.args.Composite(**arrays, meta=ocp.args.JsonSave(meta)), force=True)
-        self.last_save_seconds = time.perf_counter() - started
-
-    def _remove_deleted(self) -> None:
-        if jax.process_index() == 0:  # the process that deletes
-            shutil.rmtree(os.path.join(self.directory, DELETING_DIR), ignore_errors=True)
-
-    def _check_space(self, step: int, state: dict) -> None:
-        """Refuses a save the disk cannot hold, before anything is written: a save that fails halfway
-        fails in Orbax's writer threads, long after the step, in many tracebacks."""
-        # The shards this process writes: one copy of each, uncompressed.
-        needed = SAVE_MARGIN_BYTES + sum(shard.data.nbytes for leaf in jax.tree.leaves(state)
-                                         for shard in leaf.addressable_shards if shard.replica_id == 0)
+        # The shards this process writes (one copy of each, uncompressed), and 1 MiB for Orbax's metadata and indexes.
+        needed = 2**20 + sum(shard.data.nbytes for leaf in jax.tree.leaves(state)
+                             for shard in leaf.addressable_shards if shard.replica_id == 0)
         short = shutil.disk_usage(self.directory).free < needed
         if jax.process_count() > 1:  # all processes refuse together, or none does
             short = bool(multihost_utils.process_allgather(np.int32(short)).any())
         if short:
             raise atomic.disk_full(os.path.join(self.directory, str(step)), needed)
+        meta = {"project": PROJECT, "format": FORMAT_VERSION, "step": int(step), **meta}
+        arrays = {item: ocp.args.StandardSave(tree) for item, tree in state.items() if item != "step"}
+        self._manager.save(step, args=ocp.args.Composite(**arrays, meta=ocp.args.JsonSave(meta)), force=True)
 
-    def read_meta(self, step: int) -> dict:
-        """The metadata item of `step` alone (no arrays are read)."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(restored["meta"])
-
-    def _restore_step(self, step: int, abstract_state: dict, params_only: bool, expect: dict) -> tuple[dict, dict]:
-        meta = self.read_meta(step)
-        check_meta(meta, f"checkpoint step {step} in {self.directory}", **expect)
-        # A run that computed in another dtype saved no loss scale: the caller starts one.
-        names = ["params"] if params_only else [
-            item for item in abstract_state
-            if item != "step" and (item != "loss_scale" or os.path.isdir(os.path.join(self.directory, str(step), item)))]
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            **{item: ocp.args.StandardRestore(abstract_state[item]) for item in names}))
-        return {item: restored[item] for item in names}, meta
+    def _remove_deleted(self) -> None:
+        if jax.process_index() == 0:  # the process that deletes
+            shutil.rmtree(os.path.join(self.directory, DELETING_DIR), ignore_errors=True)
 
     def restore(self, abstract_state: dict, step: int | None = None, params_only: bool = False,
                 tokenizer_sha256: str | None = None) -> tuple[dict, dict] | None:
         """(state, meta) of `step`, or of the newest readable step; None when there is none.
 
-        abstract_state: {"params": ..., "opt_state": ..., ["loss_scale": ...]} of ShapeDtypeStructs with
-        shardings, each an item of its own ("params" alone with params_only). A checkpoint from another project or
-        tokenizer raises CheckpointError (the model's shape is the workdir's config.json, checked by
-        `workdir.check_compatible`); an unreadable one is skipped for the one before.
+        abstract_state: {"params": ..., "opt_state": ..., ["loss_scale": ...]} of ShapeDtypeStructs with shardings,
+        an item each ("params" alone with params_only). A checkpoint of another project or tokenizer raises
+        CheckpointError (the model's shape is `run_dir.check_compatible`'s); an unreadable one is skipped.
         """
-        expect = dict(tokenizer_sha256=tokenizer_sha256)
         steps = self.steps()
-        if step is not None:
-            if step not in steps:
-                raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; "
-                                      f"available steps: {', '.join(map(str, steps)) or 'none'}")
-            try:
-                return self._restore_step(step, abstract_state, params_only, expect)
-            except CheckpointError:
-                raise
-            except Exception as error:
-                raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable "
-                                      f"({first_line(error)}); pick another --step") from error
+        if step is not None and step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; "
+                                  f"available steps: {', '.join(map(str, steps)) or 'none'}")
         unreadable: list[tuple[int, Exception]] = []
-        for candidate in reversed(steps):
+        for candidate in reversed(steps) if step is None else [step]:
             try:
-                restored = self._restore_step(candidate, abstract_state, params_only, expect)
+                meta = self._manager.restore(candidate, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                check_meta(meta, f"checkpoint step {candidate} in {self.directory}", tokenizer_sha256)
+                # A run that computed in another dtype saved no loss scale: the caller starts one.
+                names = ["params"] if params_only else [item for item in abstract_state if item != "step" and (
+                    item != "loss_scale" or os.path.isdir(os.path.join(self.directory, str(candidate), item)))]
+                restored = self._manager.restore(candidate, args=ocp.args.Composite(
+                    **{item: ocp.args.StandardRestore(abstract_state[item]) for item in names}))
             except CheckpointError:
                 raise
             except Exception as error:  # an unreadable step: fall back, and say so
+                if step is not None:
+                    raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable "
+                                          f"({first_line(error)}); pick another --step") from error
                 unreadable.append((candidate, error))
                 continue
             # Newer steps are set aside only once an older one has been read: a passing
             # fault (a flaky mount, memory) can then cost the steps since `candidate`,
             # never the whole run.
             for bad_step, error in unreadable:
-                self._skip_unreadable(bad_step, error, candidate)
-            return restored
+                print(f"warning: checkpoint step {bad_step} in {self.directory} is unreadable ({first_line(error)}); "
+                      f"{self._set_aside(bad_step)}; falling back to step {candidate}", flush=True)
+            return {item: restored[item] for item in names}, dict(meta)
         for bad_step, error in unreadable:
             logging.warning("checkpoint step %d in %s is unreadable (%s)", bad_step, self.directory,
                             first_line(error))
@@ -169,24 +145,20 @@ class Checkpointer:
                                   f"or use a new --workdir")
         return None
 
-    def _skip_unreadable(self, step: int, error: Exception, fallback_step: int) -> None:
-        where = "kept in place"
-        if not self.read_only and jax.process_index() == 0:
-            # Out of the manager's way, so the run can write this step again; kept for inspection.
-            aside = os.path.join(self.workdir, UNREADABLE_DIR, str(step))
+    def _set_aside(self, step: int) -> str:
+        """Moves an unreadable step out of the manager's way, so the run can save it again; kept for inspection."""
+        if self.read_only:
+            return "kept in place"
+        aside = os.path.join(os.path.dirname(self.directory), UNREADABLE_DIR, str(step))
+        if jax.process_index() == 0:
             if os.path.exists(aside):
                 aside += f".{int(time.time())}"
             os.makedirs(os.path.dirname(aside), exist_ok=True)
             os.replace(os.path.join(self.directory, str(step)), aside)
-            where = f"moved to {aside}"
-        if not self.read_only:
-            if jax.process_count() > 1:
-                multihost_utils.sync_global_devices(f"andrea_checkpoint_aside_{step}")
-            self._manager.reload()
-        fallback = f"falling back to step {fallback_step}"
-        logging.warning("checkpoint step %d in %s is unreadable (%s)", step, self.directory, first_line(error))
-        print(f"warning: checkpoint step {step} in {self.directory} is unreadable ({first_line(error)}); "
-              f"{where}; {fallback}", flush=True)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"andrea_checkpoint_aside_{step}")
+        self._manager.reload()
+        return f"moved to {aside}"
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

@@ -1,12 +1,10 @@
 """Dynamic loss scaling, for float16 compute: small gradients survive float16's narrow range.
 
-float16 flushes magnitudes below about 6e-8 to zero, and a language model's
-cotangents sit there. The loss is multiplied by a scale before the backward
-pass and the float32 gradients divided by it after; a step whose gradients
-overflowed is skipped and the scale halved, and after `GROWTH_INTERVAL` good
-steps in a row it doubles. The scale lives in the train state, so a checkpoint
-carries it and a resumed run is exact. bfloat16 and float32 need none: their
-exponent range is float32's.
+float16 flushes magnitudes below about 6e-8 to zero, and a language model's cotangents sit there. The loss is
+multiplied by a scale before the backward pass and the float32 gradients divided by it after; a step whose
+gradients overflowed is skipped and the scale halved, and after `GROWTH_INTERVAL` good steps in a row it
+doubles. The scale lives in the train state, so a checkpoint carries it and a resumed run is exact. bfloat16
+and float32 need none: their exponent range is float32's.
 """
 
 from __future__ import annotations

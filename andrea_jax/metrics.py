@@ -1,7 +1,7 @@
 """Where the numbers of a run go: metrics.jsonl and TensorBoard event files.
 
-Only the leader process writes; the others get a writer that does nothing, so
-the loop needs no `if process_index == 0` of its own.
+Only the leader process writes; the others get a writer that does nothing, so the loop needs no
+`if process_index == 0` of its own.
 """
 
 from __future__ import annotations
@@ -27,19 +27,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _records(path: str) -> tuple[list[dict], bool]:
-    """The records, and whether the file ends in a record cut short (a kill or a full disk mid-write)."""
-    if not os.path.exists(path):
-        return [], False
-    with open(path) as f:
-        text = f.read()
-    torn = bool(text) and not text.endswith("\n")  # a record is written with its newline last
-    lines = text.splitlines()[:-1] if torn else text.splitlines()
-    return [json.loads(line) for line in lines if line.strip()], torn
-
-
 def read(workdir: str) -> list[dict]:
-    return _records(os.path.join(workdir, METRICS_FILE))[0]
+    """The whole records: each is written with its newline last, so a last line without one is a record
+    cut short (a kill or a full disk mid-write)."""
+    path = os.path.join(workdir, METRICS_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f.read().split("\n")[:-1] if line.strip()]
 
 
 def truncate_after(workdir: str, step: int) -> None:
@@ -51,11 +46,9 @@ def truncate_after(workdir: str, step: int) -> None:
     """
     event_files.drop_after(os.path.join(workdir, TENSORBOARD_DIR), step)
     path = os.path.join(workdir, METRICS_FILE)
-    records, torn = _records(path)
-    kept = [r for r in records if r.get("step", 0) <= step]
-    if len(kept) == len(records) and not torn:
-        return
-    atomic.write(path, "".join(json.dumps(r) + "\n" for r in kept))
+    kept = "".join(json.dumps(r) + "\n" for r in read(workdir) if r.get("step", 0) <= step)
+    if os.path.exists(path) and os.path.getsize(path) != len(kept.encode()):  # records dropped, or a torn tail
+        atomic.write(path, kept)
 
 
 class Writer:

@@ -1,8 +1,7 @@
 """The run directory: its resolved config, and the checks that keep runs apart.
 
-A workdir holds one run. Resuming it with a config that changes the model's
-shape, or pointing a run at a directory that holds something else, stops with
-one line before anything in it is touched.
+A workdir holds one run. Resuming it with a config that changes the model's shape, or pointing a run at a
+directory that holds something else, stops with one line before anything in it is touched.
 """
 
 from __future__ import annotations
@@ -21,9 +20,9 @@ from andrea_jax.config import ConfigError, base_config
 CONFIG_FILE = "config.json"
 LOCK_FILE = "run.lock"  # held by the training run's process 0 for the run's whole life
 PROJECT = "andrea-jax"
-# Keys that decide the shapes or layout of the saved params.
 # Attention kernels this version replaced, as a saved config names them: what each one reads as now.
 RENAMED_ATTENTION = {"flash": "splash", "dot_product": "auto"}
+# Keys that decide the shapes or layout of the saved params.
 SHAPE_KEYS = ("n_layer", "d_model", "n_head", "mlp_dim", "vocab_size", "vocab_pad_multiple", "max_len",
               "scan_layers", "norm_position", "residual", "activation", "mlp_ratio")
 
@@ -34,8 +33,7 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
         raise ConfigError(f"--workdir {workdir} is a file, not a directory; pick a new or empty directory")
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(path):
-        entries = [e for e in os.listdir(workdir) if e != LOCK_FILE] if os.path.isdir(workdir) else []
-        if entries:
+        if os.path.isdir(workdir) and set(os.listdir(workdir)) - {LOCK_FILE}:
             raise ConfigError(f"--workdir {workdir} is not empty and holds no {PROJECT} run "
                               f"(no {CONFIG_FILE}); pick an empty or new directory")
         return None
@@ -60,22 +58,18 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
 def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict, workdir: str) -> None:
     """The new config must build the same model as the saved one (other keys may change).
 
-    A saved model.vocab_size=0 is a run stopped before it knew its tokenizer: the tokenizer.json it
-    may have written decides.
+    A saved model.vocab_size=0 is a run stopped before it knew its tokenizer: its tokenizer.json decides.
     """
     for key in SHAPE_KEYS:
         old, new = saved.model[key], config.model[key]
-        if key == "vocab_size" and 0 in (old, new):
-            continue
-        if old != new:
+        if old != new and not (key == "vocab_size" and 0 in (old, new)):
             raise ConfigError(f"{workdir} holds a run with model.{key}={old}, not {new}; "
                               f"pass --config.model.{key}={old}, or use a new --workdir")
 
 
 def schedule_changes(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> list[str]:
-    """The learning-rate schedule's keys a resume changes, as "key old → new" (a resume may change
-    them, but the schedule is then recomputed over the new values: `steps=1100` on a finished
-    1000-step run raises the rate again)."""
+    """The learning-rate schedule's keys a resume changes, as "key old → new" (the schedule is then recomputed
+    over the new values: `steps=1100` on a finished 1000-step run raises the rate again)."""
     pairs = [("steps", saved.steps, config.steps)] + [
         (f"optimizer.{key}", saved.optimizer[key], config.optimizer[key])
         for key in ("learning_rate", "warmup_steps", "decay", "min_learning_rate_ratio")]
@@ -92,22 +86,19 @@ def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 def hold(workdir: str) -> int:
     """Takes the run's lock on `workdir`, or raises ConfigError naming the process that holds it.
 
-    The lock is an flock on `run.lock`: the kernel drops it when its holder exits, even by
-    kill -9 or a lost machine, so a dead run never blocks the next. Returns the descriptor
-    to keep open for the run's life (closing it, or exiting, releases the lock).
+    The lock is an flock on `run.lock`: the kernel drops it when its holder exits, even by kill -9 or a lost
+    machine, so a dead run never blocks the next. Returns the descriptor to keep open for the run's life.
     """
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, LOCK_FILE)
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    descriptor = os.open(os.path.join(workdir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as error:
         holder = os.pread(descriptor, 200, 0).decode("utf-8", "replace").strip() or "another process"
         os.close(descriptor)
-        raise ConfigError(f"--workdir {workdir} is in use by a training run ({holder}); wait for it to end or "
-                          f"stop it (it saves and exits on Ctrl-C or SIGTERM), or use another --workdir") from None
-    except OSError as error:  # a file system without locks
-        os.close(descriptor)
+        if isinstance(error, BlockingIOError):
+            raise ConfigError(f"--workdir {workdir} is in use by a training run ({holder}); wait for it to end or "
+                              f"stop it (it saves and exits on Ctrl-C or SIGTERM), or use another --workdir") from None
         raise ConfigError(f"--workdir {workdir} is on a file system without file locks ({error.strerror}), which "
                           f"keep two runs apart; use a local disk or NFS") from None
     os.ftruncate(descriptor, 0)

@@ -156,7 +156,7 @@ def test_save_is_asynchronous(tmp_path):
     listed_before_wait = os.path.isdir(tmp_path / "checkpoints" / "1")
     ckpt.wait()
     assert not listed_before_wait  # still writing under a temporary name when save() returned
-    assert ckpt.steps() == [1] and ckpt.last_save_seconds > 0
+    assert ckpt.steps() == [1]
     ckpt.close()
 
 
