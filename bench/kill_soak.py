@@ -95,9 +95,8 @@ def restores_every_checkpoint(workdir: str) -> list[str]:
     """The kept steps that fail to restore in full (params and optimizer state), with why."""
     import flax.linen as nn
     import jax
-    import ml_collections
 
-    from andrea_jax import checkpoint, fit, sharding
+    from andrea_jax import checkpoint, fit, run_dir, sharding
 
     saver = checkpoint.Checkpointer(workdir, read_only=True)
     failures = []
@@ -105,7 +104,7 @@ def restores_every_checkpoint(workdir: str) -> list[str]:
         steps = saver.steps()
         if not steps:
             return ["no checkpoint kept"]
-        config = ml_collections.ConfigDict(saver.read_meta(steps[-1])["config"])  # as the run resolved it
+        config = run_dir.load_saved_config(workdir)  # config.json: as the run resolved it
         mesh = sharding.make_mesh(config, jax.devices()[:1])
         rules = sharding.rules(config)
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
