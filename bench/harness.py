@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from andrea_jax import fit, flops, optimizer, precision, sharding, train_step
-from andrea_jax.config import ANDREA_VOCAB_SIZE, base_config, validate
+from andrea_jax.config import ANDREA_VOCAB_SIZE, base_config, padded_vocab_size, validate
+from andrea_jax.model import mlp_hidden_dim
 from bench.synthetic import random_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,8 +136,19 @@ def flops_per_step(config: ml_collections.ConfigDict) -> tuple[float, float]:
     """(nanoGPT/PaLM convention, exact causal matmul count) FLOPs of one train step."""
     tokens = config.batch_size * config.seq_len
     return (flops.flops_per_token(config.model, config.seq_len) * tokens,
-            flops.exact_flops_per_token(config.model, config.seq_len) * tokens)
+            exact_flops_per_token(config.model, config.seq_len) * tokens)
 
+
+
+def exact_flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int) -> float:
+    """Training matmul FLOPs per token with the causal mask's half of attention skipped."""
+    m = model_config
+    d, f = m.d_model, mlp_hidden_dim(m)
+    mlp_in = 2 if m.activation == "swiglu" else 1
+    matmul_weights = m.n_layer * (3 * d * d + d * d + (mlp_in + 1) * d * f) + padded_vocab_size(m) * d
+    # q·kᵀ and probs·v: 2 matmuls of 2·d FLOPs per (query, key) pair, on average (T+1)/2 keys.
+    attention = m.n_layer * 2 * 2 * d * (seq_len + 1) / 2
+    return 3 * (2 * matmul_weights + attention)
 
 class Matmul:
     """A square matmul through jit, float32 or bfloat16 inputs with float32 accumulation."""

@@ -12,6 +12,11 @@ def test_andrea120m_flops_per_token_match_the_spec():
     assert flops.flops_per_token(m, 1024) == pytest.approx(662.5e6, rel=1e-3)
 
 
+def test_the_benches_exact_count_skips_the_causal_half_of_attention():
+    from bench.harness import exact_flops_per_token
+    assert exact_flops_per_token(base_config().model, 1024) == pytest.approx(605e6, rel=3e-3)
+
+
 def test_device_peak_table():
     class Device:
         platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
