@@ -73,8 +73,7 @@ def device_memory_limit() -> int | None:
     device = jax.local_devices()[0]
     limit = None if device.platform == "cpu" else (device.memory_stats() or {}).get("bytes_limit")
     if jax.process_count() > 1:
-        limits = np.ravel(multihost_utils.process_allgather(np.int64(limit or 0)))
-        limit = int(limits.min()) if limits.min() > 0 else None
+        limit = int(np.min(multihost_utils.process_allgather(np.int64(limit or 0)))) or None
     return limit
 
 
@@ -95,41 +94,36 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state:
                   state_shardings: Any, usable: int | None = None) -> Steps:
     """Lowers and compiles both steps as the loop calls them.
 
-    OutOfMemory when XLA refuses, or when the train step alone needs more than `usable` bytes a
-    device (then the eval step is not compiled: it needs less, and a compile costs minutes).
+    OutOfMemory when XLA refuses, or when a step needs more than `usable` bytes a device (the eval
+    step is not compiled when the train step alone does: it needs less, and a compile costs minutes).
     Runs under the caller's `jax.set_mesh(mesh)` and logical axis rules.
     """
     tx, schedule = optimizer.make(config), optimizer.learning_rate_schedule(config)
-    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jax.numpy.int32,
-                                 sharding=sharding.batch_sharding(mesh))
+    batch_sharding = sharding.batch_sharding(mesh)
+    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jax.numpy.int32, sharding=batch_sharding)
+
+    def within_usable(memory: Memory, step: str) -> Memory:
+        if usable is not None and memory.peak > usable:
+            raise OutOfMemory(f"the {step} step needs {memory.peak / GIB:.2f} GiB a device > "
+                              f"{usable / GIB:.2f} GiB usable")
+        return memory
+
     try:
         train = jax.jit(train_step.make_train_step(config, tx, schedule),
-                        in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
+                        in_shardings=(state_shardings, batch_sharding),
                         out_shardings=(state_shardings, sharding.replicated(mesh)),
                         donate_argnums=0).lower(abstract_state, batch).compile(compiler_options(mesh))
-        train_memory = Memory.of(train)
-        if usable is not None and train_memory.peak > usable:
-            raise OutOfMemory(f"the train step needs {train_memory.peak / GIB:.2f} GiB a device > "
-                              f"{usable / GIB:.2f} GiB usable")
-        evaluate = jax.jit(train_step.make_eval_step(config),
-                           in_shardings=(state_shardings["params"], sharding.batch_sharding(mesh)),
+        train_memory = within_usable(Memory.of(train), "train")
+        evaluate = jax.jit(train_step.make_eval_step(config), in_shardings=(state_shardings["params"], batch_sharding),
                            out_shardings=sharding.replicated(mesh)).lower(abstract_state["params"], batch).compile(
                                compiler_options(mesh))
     except Exception as error:  # the runtime's error type differs between jax versions
         if "RESOURCE_EXHAUSTED" in str(error):
             raise OutOfMemory(f"XLA refused it ({str(error).splitlines()[0]})") from error
         raise
-    eval_alone = Memory.of(evaluate)
-    resident = train_memory.arguments - eval_alone.arguments  # optimizer state and step, beside the params
-    eval_memory = dataclasses.replace(eval_alone, arguments=eval_alone.arguments + resident)
+    # The optimizer state stays on the device beside the eval step's params: all of the train step's arguments.
+    eval_memory = within_usable(dataclasses.replace(Memory.of(evaluate), arguments=train_memory.arguments), "eval")
     return Steps(config, train, evaluate, train_memory, eval_memory)
-
-
-def _with(config: ml_collections.ConfigDict, microbatches: int, remat: bool) -> ml_collections.ConfigDict:
-    chosen = ml_collections.ConfigDict(config.to_dict())
-    chosen.microbatches = microbatches
-    chosen.model.remat = remat
-    return chosen
 
 
 def fit(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state: Any, state_shardings: Any,
@@ -140,38 +134,28 @@ def fit(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state: Any, stat
     micro-batch). A step that does not fit raises ConfigError naming the fix.
     """
     usable = None if limit is None else int(HEADROOM * limit)
-
-    def attempt(candidate: ml_collections.ConfigDict) -> tuple[Steps | None, str]:
-        setting = f"microbatches={candidate.microbatches}" + (", remat" if candidate.model.remat else "")
+    automatic = usable is not None and not config.microbatches
+    candidates = ([(m, remat) for remat in sorted({config.model.remat, True}) for m in microbatch_choices(config, mesh)]
+                  if automatic else [(max(1, config.microbatches), config.model.remat)])
+    tried = []
+    for microbatches, remat in candidates:
+        setting = f"microbatches={microbatches}" + (", remat" if remat else "")
+        candidate = ml_collections.ConfigDict(config.to_dict())
+        candidate.microbatches, candidate.model.remat = microbatches, remat
         try:
             steps = compile_steps(candidate, mesh, abstract_state, state_shardings, usable)
         except OutOfMemory as error:
-            return None, f"{setting}: {error}"
-        need = f"{setting}: {steps.peak / GIB:.2f} GiB a device"
-        if usable is not None and steps.peak > usable:
-            return None, need + f" > {usable / GIB:.2f} GiB usable"
-        return steps, need
-
-    if usable is None and not config.microbatches:
-        config = _with(config, 1, config.model.remat)
-    if config.microbatches:
-        steps, outcome = attempt(config)
-        if steps is None:
-            room = "" if limit is None else f", {HEADROOM:.0%} of {limit / GIB:.2f} GiB"
-            raise ConfigError(f"the step does not fit the device memory ({outcome}{room}); set a larger "
-                              f"--config.microbatches (a run keeps the count it started with, for exact "
-                              f"losses), or 0 in a new run to choose one automatically")
+            tried.append(f"{setting}: {error}")
+            continue
+        if automatic:
+            report(f"fit: {'; '.join(tried + [f'{setting}: {steps.peak / GIB:.2f} GiB a device'])} (fits "
+                   f"{limit / GIB:.2f} GiB with {1 - HEADROOM:.0%} headroom): using {setting}")
         return steps
-
-    tried = []
-    for remat in sorted({config.model.remat, True}):
-        for microbatches in microbatch_choices(config, mesh):
-            steps, outcome = attempt(_with(config, microbatches, remat))
-            tried.append(outcome)
-            if steps is not None:
-                report(f"fit: {'; '.join(tried)} (fits {limit / GIB:.2f} GiB with {1 - HEADROOM:.0%} headroom): "
-                       f"using microbatches={microbatches}{', remat' if remat else ''}")
-                return steps
+    if not automatic:
+        room = "" if limit is None else f", {HEADROOM:.0%} of {limit / GIB:.2f} GiB"
+        raise ConfigError(f"the step does not fit the device memory ({tried[-1]}{room}); set a larger "
+                          f"--config.microbatches (a run keeps the count it started with, for exact "
+                          f"losses), or 0 in a new run to choose one automatically")
     raise ConfigError(
         f"the step does not fit {usable / GIB:.2f} GiB a device even with one sequence per device and "
         f"micro-batch and remat ({tried[-1]}); lower seq_len or the model size, or shard the parameters "

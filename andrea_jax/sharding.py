@@ -14,7 +14,6 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 import ml_collections
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from andrea_jax.config import ConfigError
@@ -96,11 +95,9 @@ def unbox(boxed_tree: Any) -> Any:
 
 def logical_shardings(boxed_tree: Any, mesh: Mesh, axis_rules: tuple) -> Any:
     """NamedShardings for a tree of nn.Partitioned (or plain) shape structs."""
-    specs = nn.get_partition_spec(boxed_tree)
-    unboxed = unbox(boxed_tree)
-    mesh_specs = nn.logical_to_mesh(specs, axis_rules)
+    mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), axis_rules)
     return jax.tree.map(lambda spec, leaf: NamedSharding(mesh, fit_spec(spec, leaf.shape, mesh)),
-                        mesh_specs, unboxed, is_leaf=lambda x: isinstance(x, P))
+                        mesh_specs, unbox(boxed_tree), is_leaf=lambda x: isinstance(x, P))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -114,4 +111,4 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def describe(mesh: Mesh) -> str:
     return " × ".join(f"{name}={size}" for name, size in mesh.shape.items()) + \
-        f" over {mesh.devices.size} {np.ravel(mesh.devices)[0].platform} device(s)"
+        f" over {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)"

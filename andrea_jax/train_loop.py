@@ -23,12 +23,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from andrea_jax import (checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, resolve, sharding,
-                        train_step)
-from andrea_jax import UserError
-from andrea_jax.tools import hellaswag
-from andrea_jax.tools import parameter_table
-from andrea_jax import run_dir
+from andrea_jax import (UserError, checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, resolve, run_dir,
+                        sharding, train_step)
+from andrea_jax.tools import hellaswag, parameter_table
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
 from andrea_jax.data import tokenizer as tokenizers
@@ -63,12 +60,6 @@ def _stop_signals() -> Iterator[list[str]]:
             signal.signal(sig, handler)
 
 
-def _barrier(name: str):
-    if jax.process_count() == 1:
-        return None
-    return lambda: multihost_utils.sync_global_devices(name)
-
-
 def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, held: contextlib.ExitStack,
                 device: Any = None) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
     """Checks the workdir, prepares the data, fills in the tokenizer's vocabulary size and what
@@ -76,9 +67,8 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
     config, the config the workdir's run was started with or None); the leader's lock on the workdir
     is released with `held`."""
     saved = run_dir.load_saved_config(workdir)
-    read_by_all = _barrier("andrea_config_read")
-    if read_by_all is not None:
-        read_by_all()  # every process has seen the directory as it was before the leader writes to it
+    if jax.process_count() > 1:  # every process has seen the directory as it was before the leader writes to it
+        multihost_utils.sync_global_devices("andrea_config_read")
     config = ml_collections.ConfigDict(config.to_dict())
     if saved is not None:  # the model's shape is checked here, once, before any data work
         tokenizer_path = os.path.join(workdir, pipeline.TOKENIZER_FILE)
@@ -142,38 +132,33 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         init = partial(train_step.init_state, config=config, tx=optimizer.make(config))
 
         ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
-        writer = None
-        try:
-            restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256)
-            carried_losses: list[float] = []
-            if restored is None:
-                # Built directly sharded: the full model never sits on one device.
-                state = jax.jit(lambda rng: sharding.unbox(init(rng)), out_shardings=state_shardings)(
-                    jax.random.key(config.seed))
-                start_step = 0
-            else:
-                restored_state, meta = restored
-                start_step = int(meta["step"])
-                carried_losses = list(meta.get("log_interval_losses", []))
-                state = {"step": jax.device_put(np.int32(start_step), state_shardings["step"]), **restored_state}
-                if "loss_scale" in abstract and "loss_scale" not in state:  # saved computing in another dtype
-                    state["loss_scale"] = jax.device_put(loss_scale.init(), state_shardings["loss_scale"])
-                if leader:
-                    print(f"resumed from step {start_step} of {ckpt.directory}", flush=True)
-                    _report_schedule_change(saved, config, start_step)
+        held.callback(ckpt.close)  # an async save not waited for is lost
+        restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256)
+        carried_losses: list[float] = []
+        if restored is None:
+            # Built directly sharded: the full model never sits on one device.
+            state = jax.jit(lambda rng: sharding.unbox(init(rng)), out_shardings=state_shardings)(
+                jax.random.key(config.seed))
+            start_step = 0
+        else:
+            restored_state, meta = restored
+            start_step = int(meta["step"])
+            carried_losses = list(meta.get("log_interval_losses", []))
+            state = {"step": jax.device_put(np.int32(start_step), state_shardings["step"]), **restored_state}
+            if "loss_scale" in abstract and "loss_scale" not in state:  # saved computing in another dtype
+                state["loss_scale"] = jax.device_put(loss_scale.init(), state_shardings["loss_scale"])
             if leader:
-                # Records past the start step come from a run that stopped before saving them
-                # (also before its first checkpoint): they are logged again below.
-                metrics.truncate_after(workdir, start_step)
-                run_dir.save_config(workdir, config)
-            # After the truncation, which replaces the file.
-            writer = metrics.Writer(workdir, enabled=leader, start_step=start_step)
-            return _loop(steps, state, start_step, carried_losses, prepared, hellaswag_rows, mesh, peak, ckpt,
-                         writer)
-        finally:
-            ckpt.close()  # an async save not waited for is lost
-            if writer is not None:
-                writer.close()
+                print(f"resumed from step {start_step} of {ckpt.directory}", flush=True)
+                _report_schedule_change(saved, config, start_step)
+        if leader:
+            # Records past the start step come from a run that stopped before saving them
+            # (also before its first checkpoint): they are logged again below.
+            metrics.truncate_after(workdir, start_step)
+            run_dir.save_config(workdir, config)
+        # After the truncation, which replaces the file.
+        writer = metrics.Writer(workdir, enabled=leader, start_step=start_step)
+        held.callback(writer.close)
+        return _loop(steps, state, start_step, carried_losses, prepared, hellaswag_rows, mesh, peak, ckpt, writer)
 
 
 def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], prepared: pipeline.Prepared,
@@ -309,7 +294,4 @@ def _agreed(local_stop: bool, done: int, config) -> bool:
     """Whether to stop now; with several processes, any one's signal stops all at a log step."""
     if jax.process_count() == 1:
         return local_stop
-    if done % config.log_every:
-        return False
-    flags = multihost_utils.process_allgather(np.array(local_stop))
-    return bool(np.any(flags))
+    return done % config.log_every == 0 and bool(np.any(multihost_utils.process_allgather(np.array(local_stop))))

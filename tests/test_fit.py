@@ -104,6 +104,8 @@ def test_remat_comes_after_the_last_microbatch_count(monkeypatch):
         tried.append((config.microbatches, config.model.remat))
         remat_saving = 0.4 if config.model.remat else 1.0
         peak = int(1000 * remat_saving / config.microbatches)
+        if peak > usable:
+            raise fit.OutOfMemory(f"the train step needs {peak} bytes")
         memory = fit.Memory(arguments=0, temporaries=peak, outputs=0, aliased=0)
         return fit.Steps(config, None, None, memory, memory)
 

@@ -63,12 +63,10 @@ def write(path: str | os.PathLike, content: str | bytes, temporary_name: str | N
     take every file whose name resembles `path` (default: `path` + ".tmp<pid>"). On any failure the
     temporary file is removed and `path` is as it was."""
     path = os.fspath(path)
-    temporary = (f"{path}.tmp{os.getpid()}" if temporary_name is None
-                 else os.path.join(os.path.dirname(path), temporary_name))
+    temporary = os.path.join(os.path.dirname(path), temporary_name or f"{os.path.basename(path)}.tmp{os.getpid()}")
     try:
-        with writing(path), open(temporary, "wb" if isinstance(content, bytes) else "w",
-                                 **({} if isinstance(content, bytes) else {"encoding": "utf-8"})) as f:
-            f.write(content)
+        with writing(path), open(temporary, "wb") as f:
+            f.write(content.encode("utf-8") if isinstance(content, str) else content)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(temporary)

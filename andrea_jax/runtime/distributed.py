@@ -16,26 +16,13 @@ import jax
 from andrea_jax.checkpoint import first_line
 from andrea_jax.config import ConfigError
 
-# Environment variables that mean "this process is one of several".
-_CLUSTER_MARKERS = {
-    "SLURM_NTASKS": lambda v: int(v) > 1,
-    "OMPI_COMM_WORLD_SIZE": lambda v: int(v) > 1,
-    "TPU_WORKER_HOSTNAMES": lambda v: len(v.split(",")) > 1,
-    "MEGASCALE_COORDINATOR_ADDRESS": lambda v: bool(v),
-    "JAX_COORDINATOR_ADDRESS": lambda v: bool(v),
-}
-
 
 def cluster_detected(environ=os.environ) -> bool:
-    for name, is_multi in _CLUSTER_MARKERS.items():
-        value = environ.get(name)
-        if value:
-            try:
-                if is_multi(value):
-                    return True
-            except ValueError:
-                continue
-    return False
+    """Whether the environment says this process is one of several (SLURM, Open MPI, a TPU pod slice, a coordinator)."""
+    sizes = (environ.get("SLURM_NTASKS", ""), environ.get("OMPI_COMM_WORLD_SIZE", ""))
+    return (any(size.isdigit() and int(size) > 1 for size in sizes)
+            or len(environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
+            or any(environ.get(name) for name in ("MEGASCALE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS")))
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -46,50 +33,46 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     the others go on after one process stops answering (its heartbeat), so a
     dead peer ends the run instead of hanging it.
     """
-    explicit = coordinator_address is not None or num_processes is not None or process_id is not None
-    if explicit:
+    if coordinator_address is not None or num_processes is not None or process_id is not None:
         if coordinator_address is None or num_processes is None or process_id is None:
             raise ConfigError("--coordinator_address, --num_processes and --process_id go together; give all three")
         if num_processes < 1 or not 0 <= process_id < num_processes:
             raise ConfigError(f"--process_id={process_id} must be in [0, {num_processes}) for "
                               f"--num_processes={num_processes}")
+        host, _, port = coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--coordinator_address={coordinator_address} is not host:port; e.g. 10.0.0.2:1234")
     elif not cluster_detected():
         return False
-    if coordinator_address is not None and process_id != 0:
-        # The runtime aborts the whole process when the coordinator never answers;
-        # waiting for its port first turns that into a clear error.
-        _wait_for_coordinator(coordinator_address, timeout_s)
-    # The training loop takes SIGTERM itself (train_loop._StopSignal). JAX's preemption service
+    # The training loop takes SIGTERM itself (train_loop._stop_signals). JAX's preemption service
     # would install its own handler first, which swallows a SIGTERM that comes before the loop
     # (data preparation, restore, compilation): the process ran on until the scheduler's SIGKILL.
     # Without it such a SIGTERM ends the process at once, as it does a single-process run.
     jax.config.update("jax_enable_preemption_service", False)
     try:
+        if coordinator_address is not None and process_id != 0:
+            # The runtime aborts the whole process when the coordinator never answers;
+            # waiting for its port first turns that into a clear error.
+            _wait_for_coordinator(host, int(port), timeout_s)
         jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                    initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s,
                                    shutdown_timeout_seconds=timeout_s)
     except Exception as error:  # the runtime's own message is many lines of RPC detail
         where = coordinator_address or "the cluster's coordinator"
-        raise ConfigError(f"could not join the distributed run at {where} within {timeout_s}s "
-                          f"({first_line(error)}); "
-                          f"check that process 0 runs and --coordinator_address/--num_processes/--process_id "
-                          f"agree on every process") from error
+        raise ConfigError(f"could not join the distributed run at {where} within {timeout_s}s ({first_line(error)}); "
+                          f"check that process 0 runs and --coordinator_address/--num_processes/--process_id agree "
+                          f"on every process") from error
     return True
 
 
-def _wait_for_coordinator(address: str, timeout_s: int) -> None:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"--coordinator_address={address} is not host:port; e.g. 10.0.0.2:1234")
+def _wait_for_coordinator(host: str, port: int, timeout_s: int) -> None:
+    """Returns once the coordinator's port answers; its OSError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+            with socket.create_connection((host, port), timeout=min(5.0, timeout_s)):
                 return
-        except OSError as error:
+        except OSError:
             if time.monotonic() >= deadline:
-                raise ConfigError(
-                    f"could not join the distributed run at {address} within {timeout_s}s ({error}); check that "
-                    f"process 0 runs and --coordinator_address/--num_processes/--process_id agree on every "
-                    f"process") from error
+                raise
             time.sleep(0.5)

@@ -11,7 +11,6 @@ reaches in its first step anyway.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 M_TRIM_THRESHOLD = -1  # glibc mallopt() parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -21,8 +20,7 @@ THRESHOLD_BYTES = 1 << 30  # glibc's dynamic ceiling (32 MiB) still trims every 
 def keep_freed_memory() -> bool:
     """Raises glibc's mmap and trim thresholds; False where the C library is not glibc."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # macOS, musl: their allocators differ; nothing to set
+        mallopt = ctypes.CDLL(None).mallopt  # the C library the process already runs with
+    except AttributeError:  # no mallopt (macOS): another allocator, nothing to set
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, THRESHOLD_BYTES))

@@ -30,39 +30,27 @@ def _flags_of_all(ok: bool) -> list[bool]:
     return [bool(flag) for flag in np.ravel(multihost_utils.process_allgather(np.int32(ok)))]
 
 
-def leader_first(is_leader: bool, leader_work: Callable[[], T], follower_work: Callable[[], T], what: str,
-                 flag_of_process_0: Callable[[bool], bool] | None = None,
-                 flags_of_all: Callable[[bool], list[bool]] | None = None) -> T:
+def leader_first(is_leader: bool, leader_work: Callable[[], T], follower_work: Callable[[], T], what: str) -> T:
     """leader_work() on process 0, then follower_work() on the others; what they return.
 
-    `what` completes "process 0 failed to ...". The two collectives default to
-    JAX's (tests pass stand-ins); with one process and no stand-ins, leader_work
-    simply runs.
+    `what` completes "process 0 failed to ...". With one process, leader_work simply runs.
     """
-    if flag_of_process_0 is None:
-        if jax.process_count() == 1:
-            return leader_work()
-        flag_of_process_0, flags_of_all = _flag_of_process_0, _flags_of_all
+    if jax.process_count() == 1:
+        return leader_work()
+    if not is_leader and not _flag_of_process_0(True):
+        raise DataError(f"process 0 failed to {what}; its output has the error: fix that and rerun")
     result, failure = None, None
+    try:
+        result = (leader_work if is_leader else follower_work)()
+    except BaseException as error:  # Ctrl-C too: the others must not wait for a process that left
+        failure = error
     if is_leader:
-        try:
-            result = leader_work()
-        except BaseException as error:  # Ctrl-C too: the others must not wait for a leader that left
-            failure = error
-        flag_of_process_0(failure is None)
-        if failure is not None:
-            raise failure
-    else:
-        if not flag_of_process_0(True):
-            raise DataError(f"process 0 failed to {what}; its output has the error: fix that and rerun")
-        try:
-            result = follower_work()
-        except BaseException as error:
-            failure = error
-    flags = flags_of_all(failure is None)
+        _flag_of_process_0(failure is None)  # a leader that failed stops here, and the others skip the gather
+    elif failure is not None:
+        _flags_of_all(False)
     if failure is not None:
         raise failure
-    failed = [index for index, ok in enumerate(flags) if not ok]
+    failed = [index for index, ok in enumerate(_flags_of_all(True)) if not ok]
     if failed:
         raise DataError(f"process {failed[0]} failed after process 0 could {what} "
                         f"({len(failed)} in all); its output has the error: fix that and rerun")
