@@ -21,42 +21,34 @@ from andrea_jax.model import mlp_hidden_dim, non_gpt2_features
 PREFIX = "transformer."
 
 
+# Our block's params and their GPT-2 names under transformer.h.{i}.; only attention's differ in shape.
+_BLOCK_NAMES = {
+    ("ln_1", "scale"): "ln_1.weight", ("ln_1", "bias"): "ln_1.bias",
+    ("attn", "qkv_kernel"): "attn.c_attn.weight", ("attn", "qkv_bias"): "attn.c_attn.bias",
+    ("attn", "out_kernel"): "attn.c_proj.weight", ("attn", "out_bias"): "attn.c_proj.bias",
+    ("ln_2", "scale"): "ln_2.weight", ("ln_2", "bias"): "ln_2.bias",
+    ("mlp", "fc_kernel"): "mlp.c_fc.weight", ("mlp", "fc_bias"): "mlp.c_fc.bias",
+    ("mlp", "proj_kernel"): "mlp.c_proj.weight", ("mlp", "proj_bias"): "mlp.c_proj.bias",
+}
+
+
 def _block_from_gpt2(sd: Mapping[str, np.ndarray], i: int, n_head: int) -> dict:
-    p = f"{PREFIX}h.{i}."
-    d_model = sd[p + "ln_1.weight"].shape[0]
+    d_model = sd[f"{PREFIX}h.{i}.ln_1.weight"].shape[0]
     head_dim = d_model // n_head
-    return {
-        "ln_1": {"scale": sd[p + "ln_1.weight"], "bias": sd[p + "ln_1.bias"]},
-        "attn": {
-            "qkv_kernel": sd[p + "attn.c_attn.weight"].reshape(d_model, 3, n_head, head_dim),
-            "qkv_bias": sd[p + "attn.c_attn.bias"].reshape(3, n_head, head_dim),
-            "out_kernel": sd[p + "attn.c_proj.weight"].reshape(n_head, head_dim, d_model),
-            "out_bias": sd[p + "attn.c_proj.bias"],
-        },
-        "ln_2": {"scale": sd[p + "ln_2.weight"], "bias": sd[p + "ln_2.bias"]},
-        "mlp": {
-            "fc_kernel": sd[p + "mlp.c_fc.weight"],
-            "fc_bias": sd[p + "mlp.c_fc.bias"],
-            "proj_kernel": sd[p + "mlp.c_proj.weight"],
-            "proj_bias": sd[p + "mlp.c_proj.bias"],
-        },
-    }
+    heads = {"qkv_kernel": (d_model, 3, n_head, head_dim), "qkv_bias": (3, n_head, head_dim),
+             "out_kernel": (n_head, head_dim, d_model)}
+    block = {}
+    for (group, name), gpt2_name in _BLOCK_NAMES.items():
+        weight = sd[f"{PREFIX}h.{i}.{gpt2_name}"]
+        block.setdefault(group, {})[name] = weight.reshape(heads.get(name, weight.shape))
+    return block
 
 
 def _block_to_gpt2(block: Mapping, i: int) -> dict[str, np.ndarray]:
-    p = f"{PREFIX}h.{i}."
-    attn, mlp = block["attn"], block["mlp"]
-    d_model = attn["qkv_kernel"].shape[0]
-    return {
-        p + "ln_1.weight": block["ln_1"]["scale"], p + "ln_1.bias": block["ln_1"]["bias"],
-        p + "attn.c_attn.weight": attn["qkv_kernel"].reshape(d_model, 3 * d_model),
-        p + "attn.c_attn.bias": attn["qkv_bias"].reshape(3 * d_model),
-        p + "attn.c_proj.weight": attn["out_kernel"].reshape(d_model, d_model),
-        p + "attn.c_proj.bias": attn["out_bias"],
-        p + "ln_2.weight": block["ln_2"]["scale"], p + "ln_2.bias": block["ln_2"]["bias"],
-        p + "mlp.c_fc.weight": mlp["fc_kernel"], p + "mlp.c_fc.bias": mlp["fc_bias"],
-        p + "mlp.c_proj.weight": mlp["proj_kernel"], p + "mlp.c_proj.bias": mlp["proj_bias"],
-    }
+    d_model = block["attn"]["qkv_kernel"].shape[0]
+    flat = {"qkv_kernel": (d_model, 3 * d_model), "qkv_bias": (3 * d_model,), "out_kernel": (d_model, d_model)}
+    return {f"{PREFIX}h.{i}.{gpt2_name}": block[group][name].reshape(flat.get(name, block[group][name].shape))
+            for (group, name), gpt2_name in _BLOCK_NAMES.items()}
 
 
 def stack_blocks(blocks: list[Mapping]) -> dict:
