@@ -39,10 +39,8 @@ def byte_to_char() -> dict[int, str]:
 
 
 class Tokenizer(abc.ABC):
-    """What the pipeline, the trainer and eval need from any tokenizer.
-
-    Each kind sets `_json` (the content of its `tokenizer.json`) and `_table` (the bytes of each id),
-    so saving, hashing and decoding are the same code for all."""
+    """What the pipeline, the trainer and eval need from any tokenizer; each kind sets `_json` (its
+    `tokenizer.json`) and `_table` (each id's bytes), which saving, hashing and decoding read."""
 
     kind: str
     vocab_size: int
@@ -61,8 +59,7 @@ class Tokenizer(abc.ABC):
         return [ids.tolist() for ids in self.encode_arrays(texts)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of the ids. Never raises: ids outside the vocabulary (and bytes that end mid-character)
-        decode as U+FFFD."""
+        """Text of the ids; never raises: unknown ids (and bytes that end mid-character) decode as U+FFFD."""
         table, size = self._table, len(self._table)
         return b"".join(table[i] if 0 <= i < size else _REPLACEMENT for i in map(int, ids)).decode("utf-8", "replace")
 
@@ -198,8 +195,7 @@ class _PlainValuesUnpickler(pickle.Unpickler):
     names any class or function, which is how a pickle runs code, is refused before anything is called."""
 
     def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a dict of strings and integers "
-                                     f"never needs")
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a dict of strings and integers never needs")
 
 
 def read_nanogpt_meta(path: str | os.PathLike) -> CharTokenizer:

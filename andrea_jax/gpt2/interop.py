@@ -32,25 +32,6 @@ _BLOCK_NAMES = {
 }
 
 
-def _block_from_gpt2(sd: Mapping[str, np.ndarray], i: int, n_head: int) -> dict:
-    d_model = sd[f"{PREFIX}h.{i}.ln_1.weight"].shape[0]
-    head_dim = d_model // n_head
-    heads = {"qkv_kernel": (d_model, 3, n_head, head_dim), "qkv_bias": (3, n_head, head_dim),
-             "out_kernel": (n_head, head_dim, d_model)}
-    block = {}
-    for (group, name), gpt2_name in _BLOCK_NAMES.items():
-        weight = sd[f"{PREFIX}h.{i}.{gpt2_name}"]
-        block.setdefault(group, {})[name] = weight.reshape(heads.get(name, weight.shape))
-    return block
-
-
-def _block_to_gpt2(block: Mapping, i: int) -> dict[str, np.ndarray]:
-    d_model = block["attn"]["qkv_kernel"].shape[0]
-    flat = {"qkv_kernel": (d_model, 3 * d_model), "qkv_bias": (3 * d_model,), "out_kernel": (d_model, d_model)}
-    return {f"{PREFIX}h.{i}.{gpt2_name}": block[group][name].reshape(flat.get(name, block[group][name].shape))
-            for (group, name), gpt2_name in _BLOCK_NAMES.items()}
-
-
 def stack_blocks(blocks: list[Mapping]) -> dict:
     """Per-block param trees -> one tree with a leading layer axis (scan layout)."""
     return jax.tree.map(lambda *layers: np.stack(layers), *blocks)
@@ -90,7 +71,14 @@ def from_gpt2(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) -> dic
     # Padding rows get zeros: they are masked out of the logits anyway.
     token_embed = np.zeros((padded_vocab_size(m), wte.shape[1]), np.float32)
     token_embed[: wte.shape[0]] = wte
-    blocks = [_block_from_gpt2(sd, i, m.n_head) for i in range(m.n_layer)]
+    head_dim = m.d_model // m.n_head
+    heads = {"qkv_kernel": (m.d_model, 3, m.n_head, head_dim), "qkv_bias": (3, m.n_head, head_dim),
+             "out_kernel": (m.n_head, head_dim, m.d_model)}
+    blocks = [{} for _ in range(m.n_layer)]
+    for i, block in enumerate(blocks):
+        for (group, name), gpt2_name in _BLOCK_NAMES.items():
+            weight = sd[f"{PREFIX}h.{i}.{gpt2_name}"]
+            block.setdefault(group, {})[name] = weight.reshape(heads.get(name, weight.shape))
     params = {
         "token_embed": token_embed,
         "position_embed": sd[PREFIX + "wpe.weight"],
@@ -120,6 +108,8 @@ def to_gpt2(params: Mapping, m: ml_collections.ConfigDict) -> dict[str, np.ndarr
         PREFIX + "ln_f.bias": params["ln_f"]["bias"],
         "lm_head.weight": wte,  # tied
     }
+    flat = {"qkv_kernel": (m.d_model, -1), "qkv_bias": (-1,), "out_kernel": (-1, m.d_model)}
     for i, block in enumerate(blocks):
-        sd.update(_block_to_gpt2(block, i))
+        sd.update({f"{PREFIX}h.{i}.{gpt2_name}": block[group][name].reshape(flat.get(name, block[group][name].shape))
+                   for (group, name), gpt2_name in _BLOCK_NAMES.items()})
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in sd.items()}
