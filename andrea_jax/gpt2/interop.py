@@ -79,11 +79,8 @@ def from_gpt2(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) -> dic
         for (group, name), gpt2_name in _BLOCK_NAMES.items():
             weight = sd[f"{PREFIX}h.{i}.{gpt2_name}"]
             block.setdefault(group, {})[name] = weight.reshape(heads.get(name, weight.shape))
-    params = {
-        "token_embed": token_embed,
-        "position_embed": sd[PREFIX + "wpe.weight"],
-        "ln_f": {"scale": sd[PREFIX + "ln_f.weight"], "bias": sd[PREFIX + "ln_f.bias"]},
-    }
+    params = {"token_embed": token_embed, "position_embed": sd[PREFIX + "wpe.weight"],
+              "ln_f": {"scale": sd[PREFIX + "ln_f.weight"], "bias": sd[PREFIX + "ln_f.bias"]}}
     if m.scan_layers:
         params["blocks"] = {"block": stack_blocks(blocks)}
     else:
@@ -101,13 +98,9 @@ def to_gpt2(params: Mapping, m: ml_collections.ConfigDict) -> dict[str, np.ndarr
     else:
         blocks = [params[f"block_{i}"] for i in range(m.n_layer)]
     wte = params["token_embed"][: m.vocab_size]
-    sd = {
-        PREFIX + "wte.weight": wte,
-        PREFIX + "wpe.weight": params["position_embed"],
-        PREFIX + "ln_f.weight": params["ln_f"]["scale"],
-        PREFIX + "ln_f.bias": params["ln_f"]["bias"],
-        "lm_head.weight": wte,  # tied
-    }
+    sd = {PREFIX + "wte.weight": wte, PREFIX + "wpe.weight": params["position_embed"],
+          PREFIX + "ln_f.weight": params["ln_f"]["scale"], PREFIX + "ln_f.bias": params["ln_f"]["bias"],
+          "lm_head.weight": wte}  # tied
     flat = {"qkv_kernel": (m.d_model, -1), "qkv_bias": (-1,), "out_kernel": (-1, m.d_model)}
     for i, block in enumerate(blocks):
         sd.update({f"{PREFIX}h.{i}.{gpt2_name}": block[group][name].reshape(flat.get(name, block[group][name].shape))
