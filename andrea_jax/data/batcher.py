@@ -19,12 +19,10 @@ from andrea_jax.data import DataError
 
 
 def local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
-    """The rows of a global batch that process `process_index` builds."""
+    """The rows of a global batch that process `process_index` (jax.process_index()) builds."""
     if batch_size % process_count:
         raise DataError(f"batch_size={batch_size} does not split over {process_count} processes; "
                         f"make batch_size a multiple of {process_count}")
-    if not 0 <= process_index < process_count:
-        raise DataError(f"process_index={process_index} is outside 0..{process_count - 1}")
     local = batch_size // process_count
     return slice(process_index * local, (process_index + 1) * local)
 

@@ -33,36 +33,24 @@ def byte_to_char() -> dict[int, str]:
     shifted to code points from 256 on, so no token contains whitespace or
     control characters (the mapping GPT-2 introduced).
     """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + shifted)
-            shifted += 1
-    return mapping
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
 
 
 class Tokenizer(abc.ABC):
-    """What the pipeline, the trainer and eval need from any tokenizer."""
+    """What the pipeline, the trainer and eval need from any tokenizer; each kind sets `_json` (its
+    `tokenizer.json`) and `_table` (each id's bytes), which saving, hashing and decoding read."""
 
     kind: str
     vocab_size: int
     eot_id: int | None  # None: no end-of-text token (nanoGPT's character vocabulary), documents just abut
-
-    @abc.abstractmethod
-    def to_json(self) -> str:
-        """The content of `tokenizer.json`."""
+    _json: str
+    _table: Sequence[bytes]
 
     @abc.abstractmethod
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids of each text as an int32 array (the fast path of the cache)."""
-
-    @abc.abstractmethod
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of the ids. Never raises: ids outside the vocabulary (and bytes that end mid-character)
-        decode as U+FFFD."""
 
     def encode(self, text: str) -> list[int]:
         return self.encode_arrays([text])[0].tolist()
@@ -70,19 +58,22 @@ class Tokenizer(abc.ABC):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [ids.tolist() for ids in self.encode_arrays(texts)]
 
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the ids; never raises: unknown ids (and bytes that end mid-character) decode as U+FFFD."""
+        table, size = self._table, len(self._table)
+        return b"".join(table[i] if 0 <= i < size else _REPLACEMENT for i in map(int, ids)).decode("utf-8", "replace")
+
+    def to_json(self) -> str:
+        return self._json
+
     @functools.cached_property
     def sha256(self) -> str:
         """Hash of the JSON: keys the token caches and is checked on resume."""
-        return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
+        return hashlib.sha256(self._json.encode("utf-8")).hexdigest()
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes `tokenizer.json` atomically (never a half-written file)."""
-        atomic.write(path, self.to_json())
-
-
-def _decode_table(table: Sequence[bytes], ids: Iterable[int]) -> str:
-    size = len(table)
-    return b"".join(table[i] if 0 <= i < size else _REPLACEMENT for i in map(int, ids)).decode("utf-8", "replace")
+        atomic.write(path, self._json)
 
 
 class ByteTokenizer(Tokenizer):
@@ -91,18 +82,11 @@ class ByteTokenizer(Tokenizer):
     kind = "byte"
     vocab_size = 257
     eot_id = 256
-
-    def __init__(self) -> None:
-        self._table = [bytes([b]) for b in range(256)] + [END_OF_TEXT.encode()]
-
-    def to_json(self) -> str:
-        return json.dumps({_OWN_FORMAT_KEY: "byte", "version": 1, "end_of_text": END_OF_TEXT})
+    _json = json.dumps({_OWN_FORMAT_KEY: "byte", "version": 1, "end_of_text": END_OF_TEXT})
+    _table = [bytes([b]) for b in range(256)] + [END_OF_TEXT.encode()]
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) for t in texts]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return _decode_table(self._table, ids)
 
 
 class CharTokenizer(Tokenizer):
@@ -114,31 +98,23 @@ class CharTokenizer(Tokenizer):
         self.chars = sorted(set(chars))
         self.vocab_size = len(self.chars) + end_of_text
         self.eot_id = len(self.chars) if end_of_text else None
+        self._json = json.dumps({_OWN_FORMAT_KEY: "char", "version": 1,
+                                 "end_of_text": END_OF_TEXT if end_of_text else None, "chars": self.chars})
+        self._table = [c.encode("utf-8") for c in self.chars] + [END_OF_TEXT.encode()] * end_of_text
         self._code_points = np.array([ord(c) for c in self.chars], np.uint32)
 
-    def to_json(self) -> str:
-        return json.dumps({_OWN_FORMAT_KEY: "char", "version": 1,
-                           "end_of_text": END_OF_TEXT if self.eot_id is not None else None, "chars": self.chars})
-
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [self._encode_one(t) for t in texts]
-
-    def _encode_one(self, text: str) -> np.ndarray:
-        code_points = np.frombuffer(text.encode("utf-32-le"), np.uint32)
-        ids = np.searchsorted(self._code_points, code_points)
-        known = ids < len(self.chars)
-        known[known] = self._code_points[ids[known]] == code_points[known]
-        if not known.all():
-            unknown = chr(int(code_points[~known][0]))
-            raise DataError(
-                f"character {unknown!r} (U+{ord(unknown):04X}) is not in the char vocabulary "
-                f"built from the training text; use data.tokenizer='byte' or 'bpe'")
-        return ids.astype(np.int32)
-
-    def decode(self, ids: Iterable[int]) -> str:
-        size = len(self.chars)
-        return "".join(self.chars[i] if 0 <= i < size else
-                       END_OF_TEXT if i == self.eot_id else "\ufffd" for i in map(int, ids))
+        arrays = []
+        for text in texts:
+            code_points = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+            unknown = code_points[~np.isin(code_points, self._code_points)]
+            if unknown.size:
+                unknown = chr(int(unknown[0]))
+                raise DataError(
+                    f"character {unknown!r} (U+{ord(unknown):04X}) is not in the char vocabulary "
+                    f"built from the training text; use data.tokenizer='byte' or 'bpe'")
+            arrays.append(np.searchsorted(self._code_points, code_points).astype(np.int32))
+        return arrays
 
 
 class BpeTokenizer(Tokenizer):
@@ -148,46 +124,26 @@ class BpeTokenizer(Tokenizer):
 
     def __init__(self, hf_tokenizer) -> None:
         self._hf = hf_tokenizer
-        eot = hf_tokenizer.token_to_id(END_OF_TEXT)
-        if eot is None:
+        self.eot_id = hf_tokenizer.token_to_id(END_OF_TEXT)
+        if self.eot_id is None:
             raise DataError(f"the tokenizer has no {END_OF_TEXT} token; add it as a special token")
         vocab = hf_tokenizer.get_vocab(with_added_tokens=True)
-        self.eot_id = eot
         self.vocab_size = max(vocab.values()) + 1
+        self._json = hf_tokenizer.to_str()
         char_to_byte = {c: b for b, c in byte_to_char().items()}
         special = {t.content for t in hf_tokenizer.get_added_tokens_decoder().values()}
         self._table = [_REPLACEMENT] * self.vocab_size
         for token, token_id in vocab.items():
-            if token in special:
-                self._table[token_id] = token.encode("utf-8")
-            else:
-                self._table[token_id] = bytes(char_to_byte[c] for c in token)
-
-    @functools.cached_property
-    def _json(self) -> str:
-        return self._hf.to_str()
-
-    def to_json(self) -> str:
-        return self._json
-
-    @property
-    def num_merges(self) -> int:
-        return len(json.loads(self._json)["model"]["merges"])
+            self._table[token_id] = token.encode("utf-8") if token in special else bytes(char_to_byte[c] for c in token)
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         encode = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)
         return [np.asarray(e.ids, np.int32) for e in encode(list(texts), add_special_tokens=False)]
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return _decode_table(self._table, ids)
-
 
 def train_bpe(texts: Iterable[str], num_merges: int = BPE_MERGES) -> BpeTokenizer:
-    """Trains the byte-level BPE; end-of-text is added last, so it gets the last id.
-
-    (As a trainer special token it would get id 0.) A small text may give fewer
-    merges than asked: `num_merges` is an upper bound.
-    """
+    """Trains the byte-level BPE; end-of-text is added after training, so it gets the last id (as a
+    trainer special token it would get id 0). A small text may give fewer merges than `num_merges`."""
     from tokenizers import Tokenizer as HfTokenizer, decoders, models, pre_tokenizers, trainers
 
     hf = HfTokenizer(models.BPE())
@@ -207,7 +163,7 @@ def build_char(texts: Iterable[str]) -> CharTokenizer:
         chars.update(text)
     if not chars:
         raise DataError("the training text is empty, so it has no characters; add text to the source")
-    return CharTokenizer(sorted(chars))
+    return CharTokenizer(chars)
 
 
 def load(path: str | os.PathLike) -> Tokenizer:
@@ -221,13 +177,12 @@ def load(path: str | os.PathLike) -> Tokenizer:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise DataError(f"cannot read tokenizer {os.fspath(path)!r} ({error}); "
                         f"point data.tokenizer at a valid tokenizer.json") from None
-    own = content.get(_OWN_FORMAT_KEY) if isinstance(content, dict) else None
-    if own == "byte":
+    content = content if isinstance(content, dict) else {}  # a JSON list or number is no tokenizer either
+    if content.get(_OWN_FORMAT_KEY) == "byte":
         return ByteTokenizer()
-    if own == "char":
+    if content.get(_OWN_FORMAT_KEY) == "char":
         return CharTokenizer(content["chars"], end_of_text=content.get("end_of_text") is not None)
-    pre_tokenizer = (content.get("pre_tokenizer") or {}) if isinstance(content, dict) else {}
-    if pre_tokenizer.get("type") != "ByteLevel":
+    if (content.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
         raise DataError(f"{os.fspath(path)!r} is not a byte-level BPE tokenizer.json; "
                         f"use one saved by this project or a GPT-2 style one")
     from tokenizers import Tokenizer as HfTokenizer
@@ -240,8 +195,7 @@ class _PlainValuesUnpickler(pickle.Unpickler):
     names any class or function, which is how a pickle runs code, is refused before anything is called."""
 
     def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a dict of strings and integers "
-                                     f"never needs")
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a dict of strings and integers never needs")
 
 
 def read_nanogpt_meta(path: str | os.PathLike) -> CharTokenizer:

@@ -123,11 +123,8 @@ def export(workdir: str, out: str, step: int | None = None, overwrite: bool = Fa
 # ---------------------------------------------------------------- import
 
 def read_state_dict(path: str) -> tuple[dict[str, np.ndarray], dict]:
-    """A GPT-2 checkpoint -> (state dict in HF GPT2LMHeadModel names, HF-style config dict).
-
-    `path` is a transformers GPT-2 directory (config.json + model.safetensors or
-    pytorch_model.bin) or a nanoGPT `ckpt.pt` ({"model": ..., "model_args": ...}).
-    """
+    """A transformers GPT-2 directory (config.json + model.safetensors or pytorch_model.bin) or a nanoGPT
+    `ckpt.pt` ({"model": ..., "model_args": ...}) -> (state dict in GPT2LMHeadModel names, HF-style config)."""
     if not os.path.exists(path):
         raise ExportError(f"--hf {path} does not exist; pass a Hugging Face GPT-2 directory or a nanoGPT ckpt.pt")
     if os.path.isfile(path):
@@ -205,11 +202,9 @@ def _read_nanogpt(path: str) -> tuple[dict[str, np.ndarray], dict]:
     if not isinstance(checkpoint, dict) or "model" not in checkpoint or "model_args" not in checkpoint:
         raise ExportError(f"{path} is not a nanoGPT checkpoint (a dict with 'model' and 'model_args'); "
                           f"pass one, or a Hugging Face GPT-2 directory")
-    state_dict = {}
-    for key, value in checkpoint["model"].items():
-        key = key.removeprefix("_orig_mod.")  # torch.compile's wrapper
-        array = value.float().numpy()
-        state_dict[key] = array.T if key.endswith(_LINEAR_SUFFIXES) else array
+    # "_orig_mod." is torch.compile's wrapper.
+    model = {key.removeprefix("_orig_mod."): value.float().numpy() for key, value in checkpoint["model"].items()}
+    state_dict = {key: array.T if key.endswith(_LINEAR_SUFFIXES) else array for key, array in model.items()}
     # nanoGPT's bias=False drops every bias; zeros are the same model.
     for key in [k for k in state_dict if k.endswith(".weight") and ("ln_" in k or k.endswith(_LINEAR_SUFFIXES))]:
         state_dict.setdefault(key.removesuffix("weight") + "bias", np.zeros(state_dict[key].shape[-1], np.float32))
@@ -258,19 +253,6 @@ def _gpt2_bpe(vocab: str, merges: str) -> Tokenizer:
     return tokenizers.BpeTokenizer(hf)
 
 
-def _fit_vocab(state_dict: dict[str, np.ndarray], tokenizer: Tokenizer) -> dict[str, np.ndarray]:
-    """Cuts embedding rows no token can reach (nanoGPT pads GPT-2's 50257 to 50304)."""
-    key, size = interop.PREFIX + "wte.weight", tokenizer.vocab_size
-    rows = state_dict[key].shape[0]
-    if size > rows:
-        raise ExportError(f"the tokenizer has {size} entries but the embedding only {rows} rows; pass the one "
-                          f"the model was trained with (--tokenizer: a tokenizer.json, nanoGPT's meta.pkl, or a "
-                          f"directory with vocab.json + merges.txt)")
-    if size < rows:
-        print(f"note: keeping the first {size} of {rows} embedding rows (the tokenizer's entries)", flush=True)
-    return {**state_dict, key: state_dict[key][:size]}
-
-
 def import_run(path: str, workdir: str, config: ml_collections.ConfigDict | None = None,
                tokenizer_path: str | None = None, overwrite: bool = False) -> ml_collections.ConfigDict:
     """A GPT-2 or nanoGPT checkpoint -> a new workdir at step 0 that train.py and eval.py take; returns its config.
@@ -283,7 +265,15 @@ def import_run(path: str, workdir: str, config: ml_collections.ConfigDict | None
     config = ml_collections.ConfigDict((config or base_config()).to_dict())
     state_dict, hf = read_state_dict(path)
     tokenizer = load_tokenizer(path, tokenizer_path, hf.get("dataset"))
-    state_dict = _fit_vocab(state_dict, tokenizer)
+    # Embedding rows no token can reach are cut (nanoGPT pads GPT-2's 50257 to 50304).
+    wte, size = state_dict[interop.PREFIX + "wte.weight"], tokenizer.vocab_size
+    if size > len(wte):
+        raise ExportError(f"the tokenizer has {size} entries but the embedding only {len(wte)} rows; pass the one "
+                          f"the model was trained with (--tokenizer: a tokenizer.json, nanoGPT's meta.pkl, or a "
+                          f"directory with vocab.json + merges.txt)")
+    if size < len(wte):
+        print(f"note: keeping the first {size} of {len(wte)} embedding rows (the tokenizer's entries)", flush=True)
+    state_dict[interop.PREFIX + "wte.weight"] = wte[:size]
     config.model.update(model_overrides(state_dict, hf))
     config.seq_len = min(int(config.seq_len), int(config.model.max_len))
     config.data.tokenizer = tokenizer.kind
@@ -307,11 +297,8 @@ def write_run(workdir: str, params: Mapping, config: ml_collections.ConfigDict, 
     tokenizer.save(os.path.join(workdir, pipeline.TOKENIZER_FILE))
     params = jax.tree.map(jax.numpy.asarray, params)
     state = {"params": params, "opt_state": optimizer.make(config).init(params)}  # fresh moments
-    saver = checkpoint.Checkpointer(workdir, keep=int(config.keep_checkpoints))
-    try:
+    with contextlib.closing(checkpoint.Checkpointer(workdir, keep=int(config.keep_checkpoints))) as saver:
         saver.save(0, state, {"tokenizer_sha256": tokenizer.sha256, "config": config.to_dict()})
-    finally:
-        saver.close()
     with open(os.path.join(workdir, RUN_CONFIG_FILE), "w", encoding="utf-8") as f:
         f.write(f'"""The config of the run in this directory, as saved in {run_dir.CONFIG_FILE}: '
                 f'pass it to train.py --config."""\n\nimport json\nimport os\n\nimport ml_collections\n\n\n'

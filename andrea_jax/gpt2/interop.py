@@ -21,42 +21,15 @@ from andrea_jax.model import mlp_hidden_dim, non_gpt2_features
 PREFIX = "transformer."
 
 
-def _block_from_gpt2(sd: Mapping[str, np.ndarray], i: int, n_head: int) -> dict:
-    p = f"{PREFIX}h.{i}."
-    d_model = sd[p + "ln_1.weight"].shape[0]
-    head_dim = d_model // n_head
-    return {
-        "ln_1": {"scale": sd[p + "ln_1.weight"], "bias": sd[p + "ln_1.bias"]},
-        "attn": {
-            "qkv_kernel": sd[p + "attn.c_attn.weight"].reshape(d_model, 3, n_head, head_dim),
-            "qkv_bias": sd[p + "attn.c_attn.bias"].reshape(3, n_head, head_dim),
-            "out_kernel": sd[p + "attn.c_proj.weight"].reshape(n_head, head_dim, d_model),
-            "out_bias": sd[p + "attn.c_proj.bias"],
-        },
-        "ln_2": {"scale": sd[p + "ln_2.weight"], "bias": sd[p + "ln_2.bias"]},
-        "mlp": {
-            "fc_kernel": sd[p + "mlp.c_fc.weight"],
-            "fc_bias": sd[p + "mlp.c_fc.bias"],
-            "proj_kernel": sd[p + "mlp.c_proj.weight"],
-            "proj_bias": sd[p + "mlp.c_proj.bias"],
-        },
-    }
-
-
-def _block_to_gpt2(block: Mapping, i: int) -> dict[str, np.ndarray]:
-    p = f"{PREFIX}h.{i}."
-    attn, mlp = block["attn"], block["mlp"]
-    d_model = attn["qkv_kernel"].shape[0]
-    return {
-        p + "ln_1.weight": block["ln_1"]["scale"], p + "ln_1.bias": block["ln_1"]["bias"],
-        p + "attn.c_attn.weight": attn["qkv_kernel"].reshape(d_model, 3 * d_model),
-        p + "attn.c_attn.bias": attn["qkv_bias"].reshape(3 * d_model),
-        p + "attn.c_proj.weight": attn["out_kernel"].reshape(d_model, d_model),
-        p + "attn.c_proj.bias": attn["out_bias"],
-        p + "ln_2.weight": block["ln_2"]["scale"], p + "ln_2.bias": block["ln_2"]["bias"],
-        p + "mlp.c_fc.weight": mlp["fc_kernel"], p + "mlp.c_fc.bias": mlp["fc_bias"],
-        p + "mlp.c_proj.weight": mlp["proj_kernel"], p + "mlp.c_proj.bias": mlp["proj_bias"],
-    }
+# Our block's params and their GPT-2 names under transformer.h.{i}.; only attention's differ in shape.
+_BLOCK_NAMES = {
+    ("ln_1", "scale"): "ln_1.weight", ("ln_1", "bias"): "ln_1.bias",
+    ("attn", "qkv_kernel"): "attn.c_attn.weight", ("attn", "qkv_bias"): "attn.c_attn.bias",
+    ("attn", "out_kernel"): "attn.c_proj.weight", ("attn", "out_bias"): "attn.c_proj.bias",
+    ("ln_2", "scale"): "ln_2.weight", ("ln_2", "bias"): "ln_2.bias",
+    ("mlp", "fc_kernel"): "mlp.c_fc.weight", ("mlp", "fc_bias"): "mlp.c_fc.bias",
+    ("mlp", "proj_kernel"): "mlp.c_proj.weight", ("mlp", "proj_bias"): "mlp.c_proj.bias",
+}
 
 
 def stack_blocks(blocks: list[Mapping]) -> dict:
@@ -98,12 +71,16 @@ def from_gpt2(sd: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) -> dic
     # Padding rows get zeros: they are masked out of the logits anyway.
     token_embed = np.zeros((padded_vocab_size(m), wte.shape[1]), np.float32)
     token_embed[: wte.shape[0]] = wte
-    blocks = [_block_from_gpt2(sd, i, m.n_head) for i in range(m.n_layer)]
-    params = {
-        "token_embed": token_embed,
-        "position_embed": sd[PREFIX + "wpe.weight"],
-        "ln_f": {"scale": sd[PREFIX + "ln_f.weight"], "bias": sd[PREFIX + "ln_f.bias"]},
-    }
+    head_dim = m.d_model // m.n_head
+    heads = {"qkv_kernel": (m.d_model, 3, m.n_head, head_dim), "qkv_bias": (3, m.n_head, head_dim),
+             "out_kernel": (m.n_head, head_dim, m.d_model)}
+    blocks = [{} for _ in range(m.n_layer)]
+    for i, block in enumerate(blocks):
+        for (group, name), gpt2_name in _BLOCK_NAMES.items():
+            weight = sd[f"{PREFIX}h.{i}.{gpt2_name}"]
+            block.setdefault(group, {})[name] = weight.reshape(heads.get(name, weight.shape))
+    params = {"token_embed": token_embed, "position_embed": sd[PREFIX + "wpe.weight"],
+              "ln_f": {"scale": sd[PREFIX + "ln_f.weight"], "bias": sd[PREFIX + "ln_f.bias"]}}
     if m.scan_layers:
         params["blocks"] = {"block": stack_blocks(blocks)}
     else:
@@ -121,13 +98,11 @@ def to_gpt2(params: Mapping, m: ml_collections.ConfigDict) -> dict[str, np.ndarr
     else:
         blocks = [params[f"block_{i}"] for i in range(m.n_layer)]
     wte = params["token_embed"][: m.vocab_size]
-    sd = {
-        PREFIX + "wte.weight": wte,
-        PREFIX + "wpe.weight": params["position_embed"],
-        PREFIX + "ln_f.weight": params["ln_f"]["scale"],
-        PREFIX + "ln_f.bias": params["ln_f"]["bias"],
-        "lm_head.weight": wte,  # tied
-    }
+    sd = {PREFIX + "wte.weight": wte, PREFIX + "wpe.weight": params["position_embed"],
+          PREFIX + "ln_f.weight": params["ln_f"]["scale"], PREFIX + "ln_f.bias": params["ln_f"]["bias"],
+          "lm_head.weight": wte}  # tied
+    flat = {"qkv_kernel": (m.d_model, -1), "qkv_bias": (-1,), "out_kernel": (-1, m.d_model)}
     for i, block in enumerate(blocks):
-        sd.update(_block_to_gpt2(block, i))
+        sd.update({f"{PREFIX}h.{i}.{gpt2_name}": block[group][name].reshape(flat.get(name, block[group][name].shape))
+                   for (group, name), gpt2_name in _BLOCK_NAMES.items()})
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in sd.items()}
