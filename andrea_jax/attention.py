@@ -36,10 +36,6 @@ MIN_CUDA_CAPABILITY_FOR_CUDNN = 8.0  # cuDNN's flash attention starts with Amper
 PLATFORM_OF = {"splash": "tpu", "cudnn": "gpu"}
 
 
-def head_dim(model_config: ml_collections.ConfigDict) -> int:
-    return model_config.d_model // model_config.n_head
-
-
 def _has_cudnn_flash(device) -> bool:
     capability = getattr(device, "compute_capability", None)  # CUDA devices only, compile-only ones too
     return capability is not None and float(capability) >= MIN_CUDA_CAPABILITY_FOR_CUDNN
@@ -57,7 +53,7 @@ def resolve_name(name: str, width: int, device=None) -> str:
 
 def for_device(model_config: ml_collections.ConfigDict, device) -> str:
     """The implementation a run on `device` uses; ConfigError when the one named cannot run there."""
-    name = resolve_name(model_config.attention, head_dim(model_config), device)
+    name = resolve_name(model_config.attention, model_config.d_model // model_config.n_head, device)
     platform = PLATFORM_OF.get(name)
     if platform is not None and device.platform != platform:
         raise ConfigError(f"model.attention={name!r} runs on {platform.upper()}s and this run's devices are "
@@ -74,7 +70,7 @@ def for_saved_run(model_config: ml_collections.ConfigDict, device) -> str:
     try:
         return for_device(model_config, device)
     except ConfigError:
-        return resolve_name("auto", head_dim(model_config), device)
+        return resolve_name("auto", model_config.d_model // model_config.n_head, device)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -130,3 +126,6 @@ def _per_shard(kernel, q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: ja
                              q_BxLxHxK.shape, mesh)
     return jax.shard_map(kernel, in_specs=(spec, spec, spec), out_specs=spec,
                          check_vma=False)(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+
+
+FUSED = {"splash": splash_attention, "cudnn": cudnn_attention}  # the einsum path, xla, is model.py's
