@@ -44,13 +44,11 @@ from andrea_jax.config import padded_vocab_size
 from andrea_jax.precision import compute_dtype, matmul
 
 INIT_STD = 0.02  # GPT-2's normal init for weights and embeddings
-# On CPUs and GPUs the einsum attention runs in blocks of this many queries (see Attention).
-QUERY_BLOCK = 128
-ACTIVATIONS = {
+QUERY_BLOCK = 128  # on CPUs and GPUs the einsum attention runs in blocks of this many queries (Attention)
+ACTIVATIONS = {  # and swiglu, whose gate is a second projection (MLP)
     "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
     "gelu_exact": lambda h: jax.nn.gelu(h, approximate=False),
     "relu": jax.nn.relu,
-    "swiglu": None,  # gated: needs a second projection, built in MLP
 }
 SWIGLU_MULTIPLE = 64
 # The collections a forward pass fills only when the caller makes them mutable.
@@ -79,14 +77,11 @@ def non_gpt2_features(model_config: ml_collections.ConfigDict) -> list[str]:
     (nanoGPT's), the tanh one as "gelu_new" (OpenAI's).
     """
     m = model_config
-    found = []
-    if m.norm_position != "pre":
-        found.append(f"model.norm_position={m.norm_position!r} (GPT-2 is 'pre')")
-    if not m.residual:
-        found.append("model.residual=False (GPT-2 has residual connections)")
-    if m.activation not in ("gelu_tanh", "gelu_exact"):
-        found.append(f"model.activation={m.activation!r} (GPT-2 is 'gelu_tanh' or 'gelu_exact')")
-    return found
+    return [feature for away, feature in [
+        (m.norm_position != "pre", f"model.norm_position={m.norm_position!r} (GPT-2 is 'pre')"),
+        (not m.residual, "model.residual=False (GPT-2 has residual connections)"),
+        (m.activation not in ("gelu_tanh", "gelu_exact"),
+         f"model.activation={m.activation!r} (GPT-2 is 'gelu_tanh' or 'gelu_exact')")] if away]
 
 
 def _stream_norm(x_BxLxD: jax.Array) -> jax.Array:
@@ -169,8 +164,8 @@ def _attention_fwd(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype):
 def _attention_bwd(dtype, residuals, d_out_BxLxHxK):
     """Autodiff's backward would multiply float32 cotangents by the bf16 operands, which XLA runs
     as float32 products (on a CPU at a fraction of the bf16 rate); here the cotangents are rounded
-    to `dtype` first, as `precision.matmul` does for the weights. Softmax's own
-    backward stays in float32. For float32 this is autodiff's backward (measured in bench/RESULTS.md).
+    to `dtype` first, as `precision.matmul` does for the weights; softmax's own backward stays in
+    float32. For float32 this is autodiff's backward (measured in bench/RESULTS.md).
     """
     q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS = residuals
     f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
@@ -329,13 +324,13 @@ class Block(nn.Module):
 
 
 class ScannedBlock(nn.Module):
-    """Block with the (carry, out) signature that nn.scan wants."""
+    """A block (`block_cls`: Block, or Block under nn.remat) with the (carry, out) signature nn.scan wants."""
     config: ml_collections.ConfigDict
+    block_cls: type
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, deterministic: bool, cache_index: jax.Array | None = None):
-        block_cls = nn.remat(Block, static_argnums=(2,)) if self.config.remat else Block
-        return block_cls(self.config, name="block")(x_BxLxD, deterministic, cache_index), None
+        return self.block_cls(self.config, name="block")(x_BxLxD, deterministic, cache_index), None
 
 
 class Transformer(nn.Module):
@@ -364,15 +359,15 @@ class Transformer(nn.Module):
         x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("act_batch", "act_len", "act_embed"))
         _report_stream(self, "embed_", x_BxLxD)
 
+        block_cls = nn.remat(Block, static_argnums=(2,)) if m.remat else Block
         if m.scan_layers:
             blocks = nn.scan(ScannedBlock,
                              variable_axes={"params": 0, "cache": 0, DIAGNOSTICS: 0, INTERMEDIATES: 0},
                              split_rngs={"params": True, "dropout": True},
                              in_axes=(nn.broadcast, nn.broadcast), length=m.n_layer,
                              metadata_params={nn.PARTITION_NAME: "layers"})
-            x_BxLxD, _ = blocks(m, name="blocks")(x_BxLxD, deterministic, cache_index)
+            x_BxLxD, _ = blocks(m, block_cls, name="blocks")(x_BxLxD, deterministic, cache_index)
         else:
-            block_cls = nn.remat(Block, static_argnums=(2,)) if m.remat else Block
             for i in range(m.n_layer):
                 x_BxLxD = block_cls(m, name=f"block_{i}")(x_BxLxD, deterministic, cache_index)
 

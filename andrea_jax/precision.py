@@ -32,32 +32,21 @@ def _read_cpuinfo() -> str:
         return ""
 
 
-def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether the CPU advertises bfloat16 dot-product instructions (Linux /proc/cpuinfo flags)."""
-    flags = set()
-    for line in (_read_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-    return any(flag in flags for flag in CPU_BF16_FLAGS)
-
-
-def fastest_dtype(device, cpuinfo: str | None = None) -> str:
-    """The compute dtype `device` multiplies fastest: bfloat16, float16 (with loss scaling) or float32."""
-    if device.platform == "cpu":
-        return "bfloat16" if cpu_has_bf16(cpuinfo) else "float32"
-    capability = getattr(device, "compute_capability", None)  # CUDA devices only, compile-only ones too
-    if capability is None:
-        return "bfloat16"  # TPUs, and GPUs that report no capability (ROCm's MI200+ have bf16)
-    if float(capability) >= MIN_CUDA_CAPABILITY_FOR_BF16:
-        return "bfloat16"
-    return "float16" if float(capability) >= MIN_CUDA_CAPABILITY_FOR_FP16_TENSOR_CORES else "float32"
-
-
 def resolve_dtype_name(name: str, device=None, cpuinfo: str | None = None) -> str:
-    """`model.dtype` with "auto" replaced by the fastest compute dtype of `device` (default: the first)."""
+    """`model.dtype` with "auto" replaced by what `device` (default: the first) multiplies fastest:
+    bfloat16, float16 (with loss scaling) or float32. `cpuinfo` stands in for /proc/cpuinfo."""
     if name != "auto":
         return name
-    return fastest_dtype(device or jax.devices()[0], cpuinfo)
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        cpuinfo = _read_cpuinfo() if cpuinfo is None else cpuinfo
+        flags = [line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")]
+        return "bfloat16" if any(flag in CPU_BF16_FLAGS for line in flags for flag in line) else "float32"
+    capability = getattr(device, "compute_capability", None)  # CUDA devices only, compile-only ones too
+    # No capability: TPUs, and GPUs that report none (ROCm's MI200+ have bf16).
+    if capability is None or float(capability) >= MIN_CUDA_CAPABILITY_FOR_BF16:
+        return "bfloat16"
+    return "float16" if float(capability) >= MIN_CUDA_CAPABILITY_FOR_FP16_TENSOR_CORES else "float32"
 
 
 def compute_dtype(name: str):
