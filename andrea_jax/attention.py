@@ -1,16 +1,14 @@
-"""Which attention implementation a run uses, and the fused kernels for GPUs and TPUs.
+"""Which attention implementation a run uses (`model.attention`), and the fused kernels for GPUs and TPUs.
 
-`model.attention`:
-  xla     the einsum path in model.py: float32 scores [B, H, L, L] in memory, softmax, product
-          (on a CPU in blocks of queries, so that the blocks above the causal diagonal are skipped).
-  cudnn   cuDNN's fused (flash) attention through `jax.nn.dot_product_attention`: the scores stay in
-          on-chip memory. NVIDIA GPUs of compute capability 8.0 and up (A100, L4, H100, ...).
-  splash  JAX's Pallas splash-attention kernel for TPUs: the scores stay in on-chip memory one
-          block at a time, blocks above the causal diagonal are skipped, the backward is one fused
-          kernel, and its softmax statistics are kept at 8 sublanes rather than broadcast to 128
-          lanes (JAX's older flash kernel moved more bytes for them than the rest of attention).
-  auto    splash on a TPU (where the head width suits the kernel), cudnn on an NVIDIA GPU of
-          compute capability 8.0 and up, xla elsewhere (a T4 has no cuDNN flash attention).
+  xla     model.py's einsum path: float32 scores [B, H, L, L] in memory (on CPUs and GPUs in blocks of
+          queries, so that the blocks above the causal diagonal are skipped).
+  cudnn   cuDNN's fused (flash) attention through `jax.nn.dot_product_attention`, the scores in on-chip
+          memory; NVIDIA GPUs of compute capability 8.0 and up (A100, L4, H100, ...).
+  splash  JAX's Pallas splash kernel for TPUs: the scores in on-chip memory one block at a time, blocks
+          above the causal diagonal skipped, one fused backward, and softmax statistics kept at 8
+          sublanes rather than broadcast to 128 lanes (JAX's older flash kernel moved more bytes for
+          them than the rest of attention).
+  auto    splash on a TPU where the head width suits it, cudnn on a GPU that has it, xla elsewhere (T4s).
 Decoding with the KV cache, and dropout while training, take the einsum path in every case.
 """
 
@@ -32,12 +30,7 @@ LANES = 128  # the TPU kernel's blocks are multiples of the vector registers' la
 # the 4 blocks (blocks of 128 would compute 36 of 64, at 16 times the steps); see bench/RESULTS.md.
 BLOCK = 512
 MIN_CUDA_CAPABILITY_FOR_CUDNN = 8.0  # cuDNN's flash attention starts with Ampere
-# Which platform each kernel runs on.
-PLATFORM_OF = {"splash": "tpu", "cudnn": "gpu"}
-
-
-def head_dim(model_config: ml_collections.ConfigDict) -> int:
-    return model_config.d_model // model_config.n_head
+PLATFORM_OF = {"splash": "tpu", "cudnn": "gpu"}  # where each kernel runs
 
 
 def _has_cudnn_flash(device) -> bool:
@@ -57,7 +50,7 @@ def resolve_name(name: str, width: int, device=None) -> str:
 
 def for_device(model_config: ml_collections.ConfigDict, device) -> str:
     """The implementation a run on `device` uses; ConfigError when the one named cannot run there."""
-    name = resolve_name(model_config.attention, head_dim(model_config), device)
+    name = resolve_name(model_config.attention, model_config.d_model // model_config.n_head, device)
     platform = PLATFORM_OF.get(name)
     if platform is not None and device.platform != platform:
         raise ConfigError(f"model.attention={name!r} runs on {platform.upper()}s and this run's devices are "
@@ -74,7 +67,7 @@ def for_saved_run(model_config: ml_collections.ConfigDict, device) -> str:
     try:
         return for_device(model_config, device)
     except ConfigError:
-        return resolve_name("auto", head_dim(model_config), device)
+        return resolve_name("auto", model_config.d_model // model_config.n_head, device)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -130,3 +123,6 @@ def _per_shard(kernel, q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: ja
                              q_BxLxHxK.shape, mesh)
     return jax.shard_map(kernel, in_specs=(spec, spec, spec), out_specs=spec,
                          check_vma=False)(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+
+
+FUSED = {"splash": splash_attention, "cudnn": cudnn_attention}  # the einsum path, xla, is model.py's

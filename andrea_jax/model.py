@@ -4,42 +4,27 @@ x = token_embed(ids) + position_embed(positions)
 per block:  x = x + Attention(LN_1(x));  x = x + MLP(LN_2(x))
 logits = LN_f(x) · token_embed.T          (tied output)
 
-With decode=True the model reads and extends a "cache" collection: each
-attention layer's keys and values in a fixed [B, max_len, H, K] buffer, and one
-index of the tokens already cached, which offsets the new tokens' positions.
+Shape suffixes: B batch, L length (queries), S key/value length, D model width, H heads, K head
+width, F MLP width, V vocabulary (padded), M micro-batches, N depths of the stream (n_layer + 1);
+Lp1 = L + 1, Lm1 = L - 1 (in `k_BxSxHxK` the lowercase k is the keys).
 
-Shape suffixes name each axis of an array: B batch, L length (the queries), S
-key/value length, D model width, H heads, K head width, F MLP width, V
-vocabulary (padded), M micro-batches, N depths of the stream (n_layer + 1);
-Lp1 is L + 1, Lm1 L - 1. (In `k_BxSxHxK` the lowercase k is the keys, the
-suffix's K their head width.)
+Parameters are float32 and carry logical axis names (the config maps them onto the mesh); matmuls
+run in the compute dtype (`precision.py`) and accumulate in float32; softmax and logits are float32.
+With decode=True each attention layer keeps its keys and values in a "cache" [B, max_len, H, K],
+beside one index of the tokens cached, which offsets the new tokens' positions.
 
-Every parameter carries logical axis names; a rule table in the config maps
-them onto the device mesh. Parameters are float32; matmuls run in the compute
-dtype (`precision.py`; "auto" = the machine's fastest) and accumulate in float32,
-backward included; softmax and logits are float32.
-
-Ablations (config switches; the defaults are the model above, unchanged):
-  norm_position="post":  x = LN_1(x + Attention(x));  x = LN_2(x + MLP(x)).
-      LN_f stays: the stream already leaves each block normalised, so LN_f only
-      re-normalises and applies its own gain and bias. Keeping it keeps the
-      parameter tree and count identical to pre-norm, and the logit lens reads
-      every variant through the same head.
-  residual=False:        the skips go; a sub-layer's output replaces the stream
-      (pre: x = Attention(LN_1(x)); post: x = LN_1(Attention(x))).
-  activation:            gelu_tanh | gelu_exact | relu | swiglu, where swiglu is
-      (silu(x·W_gate) ⊙ x·W_fc)·W_proj with a width of 2/3 of the two-matrix MLP's,
-      rounded to a multiple of 64, so that its three matrices hold about as many
-      parameters as the two they replace (see `mlp_hidden_dim`).
+Ablations (config switches; the defaults are the model above; initialisation is the same in each):
+  norm_position="post":  x = LN_1(x + Attention(x));  x = LN_2(x + MLP(x)). LN_f stays, so that the
+      parameter tree matches pre-norm's and the logit lens reads every variant through one head.
+  residual=False:        a sub-layer's output replaces the stream instead of adding to it.
+  activation:            gelu_tanh | gelu_exact | relu | swiglu ((silu(x·W_gate) ⊙ x·W_fc)·W_proj,
+      at the width `mlp_hidden_dim` gives it, to hold about the two-matrix MLP's parameter count).
   mlp_ratio:             0 = the MLP width is mlp_dim; otherwise mlp_ratio × d_model.
-Initialisation is the same in every variant.
 
-Inside a forward pass, the blocks can report on themselves, at no cost unless the
-caller asks (`mutable=[...]`): collection "diagnostics" gets scalars per block
-(each sub-layer's output norm relative to the stream it reads, and the stream's
-norm after the block); "intermediates" gets the whole stream after the embedding
-and after every block, for the logit lens. With scan_layers they come stacked
-over depth like the params.
+A forward pass reports on itself only when the caller makes the collection mutable: "diagnostics"
+gets per-block scalars (each sub-layer's output norm over the stream's, the stream's norm after the
+block), "intermediates" the stream after the embedding and every block (for the logit lens);
+with scan_layers both come stacked over depth like the params.
 """
 
 from __future__ import annotations
@@ -52,19 +37,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+from flax.linen.initializers import normal, ones, zeros
 
 from andrea_jax import attention, sharding
 from andrea_jax.config import padded_vocab_size
 from andrea_jax.precision import compute_dtype, matmul
 
 INIT_STD = 0.02  # GPT-2's normal init for weights and embeddings
-# On CPUs and GPUs the einsum attention runs in blocks of this many queries (see Attention).
-QUERY_BLOCK = 128
-ACTIVATIONS = {
+QUERY_BLOCK = 128  # on CPUs and GPUs the einsum attention runs in blocks of this many queries (Attention)
+ACTIVATIONS = {  # and swiglu, whose gate is a second projection (MLP)
     "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
     "gelu_exact": lambda h: jax.nn.gelu(h, approximate=False),
     "relu": jax.nn.relu,
-    "swiglu": None,  # gated: needs a second projection, built in MLP
 }
 SWIGLU_MULTIPLE = 64
 # The collections a forward pass fills only when the caller makes them mutable.
@@ -93,14 +77,11 @@ def non_gpt2_features(model_config: ml_collections.ConfigDict) -> list[str]:
     (nanoGPT's), the tanh one as "gelu_new" (OpenAI's).
     """
     m = model_config
-    found = []
-    if m.norm_position != "pre":
-        found.append(f"model.norm_position={m.norm_position!r} (GPT-2 is 'pre')")
-    if not m.residual:
-        found.append("model.residual=False (GPT-2 has residual connections)")
-    if m.activation not in ("gelu_tanh", "gelu_exact"):
-        found.append(f"model.activation={m.activation!r} (GPT-2 is 'gelu_tanh' or 'gelu_exact')")
-    return found
+    return [feature for away, feature in [
+        (m.norm_position != "pre", f"model.norm_position={m.norm_position!r} (GPT-2 is 'pre')"),
+        (not m.residual, "model.residual=False (GPT-2 has residual connections)"),
+        (m.activation not in ("gelu_tanh", "gelu_exact"),
+         f"model.activation={m.activation!r} (GPT-2 is 'gelu_tanh' or 'gelu_exact')")] if away]
 
 
 def _stream_norm(x_BxLxD: jax.Array) -> jax.Array:
@@ -108,16 +89,18 @@ def _stream_norm(x_BxLxD: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.mean(jnp.sum(jnp.square(x_BxLxD.astype(jnp.float32)), axis=-1)))
 
 
-def _normal(std: float, axes: tuple[str | None, ...]):
-    return nn.with_logical_partitioning(nn.initializers.normal(stddev=std), axes)
+def _report_stream(module: nn.Module, prefix: str, x_BxLxD: jax.Array) -> None:
+    """The stream's norm into "diagnostics", the stream into "intermediates", each only if asked for."""
+    if module.is_mutable_collection(DIAGNOSTICS):
+        module.sow(DIAGNOSTICS, f"{prefix}stream_norm", _stream_norm(x_BxLxD))
+    if module.is_mutable_collection(INTERMEDIATES):
+        module.sow(INTERMEDIATES, f"{prefix}stream", x_BxLxD)
 
 
-def _zeros(axes: tuple[str | None, ...]):
-    return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
-
-
-def _ones(axes: tuple[str | None, ...]):
-    return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
+def _param(module: nn.Module, name: str, init, **axis_sizes: int) -> jax.Array:
+    """A float32 parameter of shape axis_sizes.values(), its axes logically named by the keys."""
+    partitioned = nn.with_logical_partitioning(init, tuple(axis_sizes))
+    return module.param(name, partitioned, tuple(axis_sizes.values()), jnp.float32)
 
 
 def activate(function, *inputs: jax.Array) -> jax.Array:
@@ -135,8 +118,8 @@ class LayerNorm(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         d_model = x_BxLxD.shape[-1]
-        scale = self.param("scale", _ones(("norm",)), (d_model,), jnp.float32)
-        bias = self.param("bias", _zeros(("norm",)), (d_model,), jnp.float32)
+        scale = _param(self, "scale", ones, norm=d_model)
+        bias = _param(self, "bias", zeros, norm=d_model)
         x = x_BxLxD.astype(jnp.float32)
         mean = x.mean(-1, keepdims=True)
         var = jnp.square(x - mean).mean(-1, keepdims=True)
@@ -181,8 +164,8 @@ def _attention_fwd(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype):
 def _attention_bwd(dtype, residuals, d_out_BxLxHxK):
     """Autodiff's backward would multiply float32 cotangents by the bf16 operands, which XLA runs
     as float32 products (on a CPU at a fraction of the bf16 rate); here the cotangents are rounded
-    to `dtype` first, as `precision.einsum_f32_accumulate` does for the weights. Softmax's own
-    backward stays in float32. For float32 this is autodiff's backward (measured in bench/RESULTS.md).
+    to `dtype` first, as `precision.matmul` does for the weights; softmax's own backward stays in
+    float32. For float32 this is autodiff's backward (measured in bench/RESULTS.md).
     """
     q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS = residuals
     f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
@@ -216,13 +199,12 @@ class Attention(nn.Module):
         batch, length, d_model = x_BxLxD.shape
         head_dim = d_model // self.n_head
         # (D, 3, H, K) is GPT-2's (D, 3·D) c_attn weight reshaped: q|k|v, then heads.
-        qkv_kernel = self.param("qkv_kernel", _normal(INIT_STD, ("embed", "qkv", "heads", "head_dim")),
-                                (d_model, 3, self.n_head, head_dim), jnp.float32)
-        qkv_bias = self.param("qkv_bias", _zeros(("qkv", "heads", "head_dim")),
-                              (3, self.n_head, head_dim), jnp.float32)
-        out_kernel = self.param("out_kernel", _normal(self.residual_std, ("heads", "head_dim", "embed")),
-                                (self.n_head, head_dim, d_model), jnp.float32)
-        out_bias = self.param("out_bias", _zeros(("embed",)), (d_model,), jnp.float32)
+        qkv_kernel = _param(self, "qkv_kernel", normal(INIT_STD), embed=d_model, qkv=3, heads=self.n_head,
+                            head_dim=head_dim)
+        qkv_bias = _param(self, "qkv_bias", zeros, qkv=3, heads=self.n_head, head_dim=head_dim)
+        out_kernel = _param(self, "out_kernel", normal(self.residual_std), heads=self.n_head, head_dim=head_dim,
+                            embed=d_model)
+        out_bias = _param(self, "out_bias", zeros, embed=d_model)
 
         # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
         # and v is written once, where attention reads it (the slices were copies, and their
@@ -244,23 +226,18 @@ class Attention(nn.Module):
             # future and the slots not yet written. Callers keep cache_index + L <= max_len:
             # dynamic_update_slice would clamp the start rather than fail.
             cache_shape = (batch, self.max_len, self.n_head, head_dim)
-            cached_key = self.variable("cache", "key", jnp.zeros, cache_shape, self.dtype)
-            cached_value = self.variable("cache", "value", jnp.zeros, cache_shape, self.dtype)
-            start = (0, cache_index, 0, 0)
-            cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, k_BxLxHxK, start)
-            cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, v_BxLxHxK, start)
-            k_BxSxHxK, v_BxSxHxK = cached_key.value, cached_value.value
+            cached = [self.variable("cache", name, jnp.zeros, cache_shape, self.dtype) for name in ("key", "value")]
+            for buffer, new_BxLxHxK in zip(cached, (k_BxLxHxK, v_BxLxHxK)):
+                buffer.value = jax.lax.dynamic_update_slice(buffer.value, new_BxLxHxK, (0, cache_index, 0, 0))
+            k_BxSxHxK, v_BxSxHxK = (buffer.value for buffer in cached)
             causal_LxS = jnp.arange(self.max_len)[None, :] <= cache_index + jnp.arange(length)[:, None]
 
         implementation = attention.resolve_name(self.implementation, head_dim)
-        fused = cache_index is None and (deterministic or self.dropout == 0.0)
-        if fused and implementation == "splash":
-            out_BxLxHxK = attention.splash_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)
-        elif fused and implementation == "cudnn":
-            out_BxLxHxK = attention.cudnn_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)
+        dropping = not deterministic and self.dropout != 0.0
+        if cache_index is None and not dropping and implementation in attention.FUSED:
+            out_BxLxHxK = attention.FUSED[implementation](q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)
         else:
-            drop = (None if deterministic or self.dropout == 0.0 else
-                    lambda probs: nn.Dropout(self.dropout)(probs, deterministic=False))
+            drop = (lambda probs: nn.Dropout(self.dropout)(probs, deterministic=False)) if dropping else None
             if cache_index is None and sharding.program_platform() in ("cpu", "gpu") and length > QUERY_BLOCK:
                 # Query block i attends keys [0, end of block i) only: the blocks above the causal
                 # diagonal are never computed (a quarter of the square at 2 blocks), and each row
@@ -290,12 +267,10 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, deterministic: bool) -> jax.Array:
         d_model = x_BxLxD.shape[-1]
-        fc_kernel = self.param("fc_kernel", _normal(INIT_STD, ("embed", "mlp")),
-                               (d_model, self.mlp_dim), jnp.float32)
-        fc_bias = self.param("fc_bias", _zeros(("mlp",)), (self.mlp_dim,), jnp.float32)
-        proj_kernel = self.param("proj_kernel", _normal(self.residual_std, ("mlp", "embed")),
-                                 (self.mlp_dim, d_model), jnp.float32)
-        proj_bias = self.param("proj_bias", _zeros(("embed",)), (d_model,), jnp.float32)
+        fc_kernel = _param(self, "fc_kernel", normal(INIT_STD), embed=d_model, mlp=self.mlp_dim)
+        fc_bias = _param(self, "fc_bias", zeros, mlp=self.mlp_dim)
+        proj_kernel = _param(self, "proj_kernel", normal(self.residual_std), mlp=self.mlp_dim, embed=d_model)
+        proj_bias = _param(self, "proj_bias", zeros, embed=d_model)
 
         # Pre-activations are rounded to the compute dtype and the activation, computed in float32,
         # is recomputed in the backward (`activate`): autodiff would keep the float32 pre-activation,
@@ -303,9 +278,8 @@ class MLP(nn.Module):
         up_BxLxF = (matmul(x_BxLxD, fc_kernel, "bld,df->blf", self.dtype, self.dtype) + fc_bias).astype(self.dtype)
         if self.activation == "swiglu":
             # Created after the four above, so those draw the same initial values as without it.
-            gate_kernel = self.param("gate_kernel", _normal(INIT_STD, ("embed", "mlp")),
-                                     (d_model, self.mlp_dim), jnp.float32)
-            gate_bias = self.param("gate_bias", _zeros(("mlp",)), (self.mlp_dim,), jnp.float32)
+            gate_kernel = _param(self, "gate_kernel", normal(INIT_STD), embed=d_model, mlp=self.mlp_dim)
+            gate_bias = _param(self, "gate_bias", zeros, mlp=self.mlp_dim)
             gate_BxLxF = (matmul(x_BxLxD, gate_kernel, "bld,df->blf", self.dtype, self.dtype)
                           + gate_bias).astype(self.dtype)
             h_BxLxF = activate(lambda up, gate: jax.nn.silu(gate) * up, up_BxLxF, gate_BxLxF)
@@ -335,10 +309,7 @@ class Block(nn.Module):
         ln_2 = LayerNorm(m.layer_norm_epsilon, dtype, name="ln_2")
         x_BxLxD = self._sublayer("attn", x_BxLxD, ln_1, lambda h: attn(h, deterministic, cache_index))
         x_BxLxD = self._sublayer("mlp", x_BxLxD, ln_2, lambda h: mlp(h, deterministic))
-        if self.is_mutable_collection(DIAGNOSTICS):
-            self.sow(DIAGNOSTICS, "stream_norm", _stream_norm(x_BxLxD))
-        if self.is_mutable_collection(INTERMEDIATES):
-            self.sow(INTERMEDIATES, "stream", x_BxLxD)
+        _report_stream(self, "", x_BxLxD)
         return x_BxLxD
 
     def _sublayer(self, name: str, x_BxLxD: jax.Array, norm: nn.Module, sublayer) -> jax.Array:
@@ -353,13 +324,13 @@ class Block(nn.Module):
 
 
 class ScannedBlock(nn.Module):
-    """Block with the (carry, out) signature that nn.scan wants."""
+    """A block (`block_cls`: Block, or Block under nn.remat) with the (carry, out) signature nn.scan wants."""
     config: ml_collections.ConfigDict
+    block_cls: type
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, deterministic: bool, cache_index: jax.Array | None = None):
-        block_cls = nn.remat(Block, static_argnums=(2,)) if self.config.remat else Block
-        return block_cls(self.config, name="block")(x_BxLxD, deterministic, cache_index), None
+        return self.block_cls(self.config, name="block")(x_BxLxD, deterministic, cache_index), None
 
 
 class Transformer(nn.Module):
@@ -371,11 +342,8 @@ class Transformer(nn.Module):
         m = self.config
         dtype = compute_dtype(m.dtype)
         _, length = ids_BxL.shape
-        vocab_rows = padded_vocab_size(m)
-        token_embed = self.param("token_embed", _normal(INIT_STD, ("vocab", "embed")),
-                                 (vocab_rows, m.d_model), jnp.float32)
-        position_embed = self.param("position_embed", _normal(INIT_STD, ("position", "embed")),
-                                    (m.max_len, m.d_model), jnp.float32)
+        token_embed = _param(self, "token_embed", normal(INIT_STD), vocab=padded_vocab_size(m), embed=m.d_model)
+        position_embed = _param(self, "position_embed", normal(INIT_STD), position=m.max_len, embed=m.d_model)
 
         if decode:
             # Needs mutable=["cache"]; the new tokens follow those already cached.
@@ -389,20 +357,17 @@ class Transformer(nn.Module):
         x_BxLxD = jnp.take(token_embed, ids_BxL, axis=0) + positions_LxD
         x_BxLxD = nn.Dropout(m.dropout)(x_BxLxD, deterministic=deterministic).astype(dtype)
         x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("act_batch", "act_len", "act_embed"))
-        if self.is_mutable_collection(DIAGNOSTICS):
-            self.sow(DIAGNOSTICS, "embed_stream_norm", _stream_norm(x_BxLxD))
-        if self.is_mutable_collection(INTERMEDIATES):
-            self.sow(INTERMEDIATES, "embed_stream", x_BxLxD)
+        _report_stream(self, "embed_", x_BxLxD)
 
+        block_cls = nn.remat(Block, static_argnums=(2,)) if m.remat else Block
         if m.scan_layers:
             blocks = nn.scan(ScannedBlock,
                              variable_axes={"params": 0, "cache": 0, DIAGNOSTICS: 0, INTERMEDIATES: 0},
                              split_rngs={"params": True, "dropout": True},
                              in_axes=(nn.broadcast, nn.broadcast), length=m.n_layer,
                              metadata_params={nn.PARTITION_NAME: "layers"})
-            x_BxLxD, _ = blocks(m, name="blocks")(x_BxLxD, deterministic, cache_index)
+            x_BxLxD, _ = blocks(m, block_cls, name="blocks")(x_BxLxD, deterministic, cache_index)
         else:
-            block_cls = nn.remat(Block, static_argnums=(2,)) if m.remat else Block
             for i in range(m.n_layer):
                 x_BxLxD = block_cls(m, name=f"block_{i}")(x_BxLxD, deterministic, cache_index)
 
@@ -429,11 +394,7 @@ def head(params: dict, model_config: ml_collections.ConfigDict, x_BxLxD: jax.Arr
     return tied_logits(normed_BxLxD, params["token_embed"], m)
 
 
-def build(model_config: ml_collections.ConfigDict) -> Transformer:
-    return Transformer(model_config)
-
-
 def init_params(model_config: ml_collections.ConfigDict, rng: jax.Array) -> dict:
     """Boxed (logically partitioned) params, for a sequence of length 1."""
     dummy_ids = jnp.zeros((1, 1), jnp.int32)
-    return build(model_config).init(rng, dummy_ids)["params"]
+    return Transformer(model_config).init(rng, dummy_ids)["params"]

@@ -32,32 +32,21 @@ def _read_cpuinfo() -> str:
         return ""
 
 
-def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether the CPU advertises bfloat16 dot-product instructions (Linux /proc/cpuinfo flags)."""
-    flags = set()
-    for line in (_read_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-    return any(flag in flags for flag in CPU_BF16_FLAGS)
-
-
-def fastest_dtype(device, cpuinfo: str | None = None) -> str:
-    """The compute dtype `device` multiplies fastest: bfloat16, float16 (with loss scaling) or float32."""
-    if device.platform == "cpu":
-        return "bfloat16" if cpu_has_bf16(cpuinfo) else "float32"
-    capability = getattr(device, "compute_capability", None)  # CUDA devices only, compile-only ones too
-    if capability is None:
-        return "bfloat16"  # TPUs, and GPUs that report no capability (ROCm's MI200+ have bf16)
-    if float(capability) >= MIN_CUDA_CAPABILITY_FOR_BF16:
-        return "bfloat16"
-    return "float16" if float(capability) >= MIN_CUDA_CAPABILITY_FOR_FP16_TENSOR_CORES else "float32"
-
-
 def resolve_dtype_name(name: str, device=None, cpuinfo: str | None = None) -> str:
-    """`model.dtype` with "auto" replaced by the fastest compute dtype of `device` (default: the first)."""
+    """`model.dtype` with "auto" replaced by what `device` (default: the first) multiplies fastest:
+    bfloat16, float16 (with loss scaling) or float32. `cpuinfo` stands in for /proc/cpuinfo."""
     if name != "auto":
         return name
-    return fastest_dtype(device or jax.devices()[0], cpuinfo)
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        cpuinfo = _read_cpuinfo() if cpuinfo is None else cpuinfo
+        flags = [line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")]
+        return "bfloat16" if any(flag in CPU_BF16_FLAGS for line in flags for flag in line) else "float32"
+    capability = getattr(device, "compute_capability", None)  # CUDA devices only, compile-only ones too
+    # No capability: TPUs, and GPUs that report none (ROCm's MI200+ have bf16).
+    if capability is None or float(capability) >= MIN_CUDA_CAPABILITY_FOR_BF16:
+        return "bfloat16"
+    return "float16" if float(capability) >= MIN_CUDA_CAPABILITY_FOR_FP16_TENSOR_CORES else "float32"
 
 
 def compute_dtype(name: str):
@@ -77,35 +66,39 @@ def _product(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
-def einsum_f32_accumulate(spec: str, a: jax.Array, b: jax.Array, dtype, out_dtype) -> jax.Array:
-    """einsum of `a` and `b` rounded to `dtype`, accumulated in float32, in `out_dtype`; a written-out backward.
+def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype, out_dtype=jnp.float32) -> jax.Array:
+    """x·kernel (an einsum `spec`: activations times weights) rounded to `dtype`, accumulated in float32,
+    in `out_dtype`, with a written-out backward.
 
-    Autodiff of `_einsum_f32` on bf16 operands would multiply the float32
-    cotangent by a bf16 operand, which XLA runs as a float32 matmul: two thirds of
-    a training step's FLOPs would miss the bf16 units. Here the cotangent is
-    rounded to `dtype` first (as mixed-precision training does on every
-    framework), so the backward matmuls take the fast path too; their float32
-    results are returned in the operands' own dtypes, so a float32 weight gets its
-    gradient unrounded. For float32 the rounding is a no-op; float16 cotangents are
-    only safe because the train step scales the loss (`loss_scale.py`).
+    Autodiff on bf16 operands would multiply the float32 cotangent by a bf16 operand, which XLA
+    runs as a float32 matmul: two thirds of a step's FLOPs would miss the bf16 units. Here the
+    cotangent is rounded to `dtype` first (as mixed-precision training does everywhere), and the
+    float32 results come back in the operands' own dtypes, so a float32 weight gets its gradient
+    unrounded. For float32 the rounding is a no-op; float16 cotangents are only safe because the
+    train step scales the loss (`loss_scale.py`). Reverse mode only.
 
-    On a CPU the cotangent also passes an optimization barrier: XLA:CPU otherwise
-    fuses the elementwise work that produces it (softmax and LayerNorm backward,
-    residual sums) into the transposes that feed the two products, and recomputes
-    it in each; materialising it once made the float32 step faster (measured in
-    bench/RESULTS.md). Being a custom_vjp, it supports reverse mode only.
-    `spec` is "a,b->out": no "...", no index repeated within an operand, and every
-    index of a or b appears in one of the other two.
+    On a CPU the cotangent also passes an optimization barrier: XLA:CPU otherwise fuses the
+    elementwise work that produces it (softmax and LayerNorm backward, residual sums) into the
+    transposes feeding both products and recomputes it in each (bench/RESULTS.md).
+    Attention's batched products have their own backward (`model.softmax_attention`).
     """
-    return _product(spec, a.astype(dtype), b.astype(dtype), out_dtype)
+    operands = spec.split("->")[0].split(",")
+    # The backward's specs swap the output with an operand: every index must be named once.
+    if "." in spec or any(len(set(s)) != len(s) for s in operands):
+        raise ValueError(f"einsum spec {spec!r}: no '...' and no index repeated within an operand")
+    return _matmul(spec, x, kernel, dtype, out_dtype)
 
 
-def _einsum_f32_accumulate_fwd(spec, a, b, dtype, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def _matmul(spec: str, a: jax.Array, b: jax.Array, dtype, out_dtype) -> jax.Array:
+    return _matmul_fwd(spec, a, b, dtype, out_dtype)[0]
+
+
+def _matmul_fwd(spec, a, b, dtype, out_dtype):
     return _product(spec, a.astype(dtype), b.astype(dtype), out_dtype), (a, b)
 
 
-def _einsum_f32_accumulate_bwd(spec, dtype, out_dtype, residuals, cotangent):
+def _matmul_bwd(spec, dtype, out_dtype, residuals, cotangent):
     a, b = residuals
     operands, out = spec.split("->")
     spec_a, spec_b = operands.split(",")
@@ -118,16 +111,4 @@ def _einsum_f32_accumulate_bwd(spec, dtype, out_dtype, residuals, cotangent):
     return grad_a, grad_b
 
 
-einsum_f32_accumulate.defvjp(_einsum_f32_accumulate_fwd, _einsum_f32_accumulate_bwd)
-
-
-def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype, out_dtype=jnp.float32) -> jax.Array:
-    """x·kernel (an einsum `spec`) in `dtype` with float32 accumulation, forward and backward, in `out_dtype`.
-
-    For activations times weights. (Attention's batched products have their own
-    written-out backward, `model.softmax_attention`.)
-    """
-    operands = spec.split("->")[0].split(",")
-    if "." in spec or any(len(set(s)) != len(s) for s in operands):
-        raise ValueError(f"einsum spec {spec!r}: no '...' and no index repeated within an operand")
-    return einsum_f32_accumulate(spec, x, kernel, dtype, out_dtype)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)

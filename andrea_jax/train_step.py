@@ -44,7 +44,7 @@ def token_losses(params: Any, model_config: ml_collections.ConfigDict, batch_BxL
     (`diagnostics.stream_stats`; else {}). Dropout runs when `dropout_rng` is given."""
     inputs_BxL, targets_BxL = batch_BxLp1[:, :-1], batch_BxLp1[:, 1:]
     deterministic = dropout_rng is None
-    out = model.build(model_config).apply(
+    out = model.Transformer(model_config).apply(
         {"params": params}, inputs_BxL, deterministic=deterministic,
         rngs=None if deterministic else {"dropout": dropout_rng}, mutable=[model.DIAGNOSTICS] if diagnose else False)
     logits_BxLxV, variables = out if diagnose else (out, {})

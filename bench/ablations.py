@@ -131,7 +131,7 @@ def init_check() -> dict:
     m = base_config().model
     params = jax.jit(lambda rng: nn.meta.unbox(model.init_params(m, rng)))(jax.random.key(0))
     ids = np.random.default_rng(0).integers(0, m.vocab_size, (2, 128))
-    apply = jax.jit(lambda p, x: model.build(m).apply({"params": p}, x, mutable=[model.DIAGNOSTICS])[1])
+    apply = jax.jit(lambda p, x: model.Transformer(m).apply({"params": p}, x, mutable=[model.DIAGNOSTICS])[1])
     stats = jax.device_get(diagnostics.stream_stats(apply(params, ids)[model.DIAGNOSTICS], m))
     return {k: [float(x) for x in v] for k, v in stats.items()}
 

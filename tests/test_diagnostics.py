@@ -36,7 +36,7 @@ def scanned(params, n_layer):
 
 
 def stream_stats(m, params, ids):
-    _, variables = model.build(m).apply({"params": params}, jnp.asarray(ids), mutable=[model.DIAGNOSTICS])
+    _, variables = model.Transformer(m).apply({"params": params}, jnp.asarray(ids), mutable=[model.DIAGNOSTICS])
     return jax.device_get(diagnostics.stream_stats(variables[model.DIAGNOSTICS], m))
 
 
@@ -149,7 +149,7 @@ def test_the_last_depth_is_the_model_output_and_ranks_agree(char_tokenizer):
     ids = char_tokenizer.encode(TEXT)[:32]
     lens = logit_lens.logit_lens(params, m, ids)
     assert lens.top_ids.shape == (3, 32, logit_lens.TOP_K) and lens.target_loss.shape == (3, 31)
-    logprobs = np.asarray(jax.nn.log_softmax(model.build(m).apply({"params": params}, jnp.asarray([ids]))[0]))
+    logprobs = np.asarray(jax.nn.log_softmax(model.Transformer(m).apply({"params": params}, jnp.asarray([ids]))[0]))
     np.testing.assert_allclose(lens.target_loss[-1], -logprobs[np.arange(31), ids[1:]], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(lens.top_ids[-1, :, 0], logprobs.argmax(-1))
     ranks = (logprobs[:-1] > logprobs[np.arange(31), ids[1:]][:, None]).sum(-1)

@@ -67,7 +67,7 @@ def test_a_compiled_step_is_charged_to_the_parts_of_the_model():
     m = small_model(n_layer=1)
     params = model.init_params(m, jax.random.key(0))
     ids = jnp.zeros((2, 16), jnp.int32)
-    loss = lambda p: model.build(m).apply({"params": p}, ids).mean()
+    loss = lambda p: model.Transformer(m).apply({"params": p}, ids).mean()
     hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
     parts = hbm_traffic.count(hlo)
     assert {"attention", "MLP", "norms", "embeddings, logits and loss"} <= set(parts)

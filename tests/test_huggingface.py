@@ -113,7 +113,7 @@ def test_transformers_loads_the_export_with_the_same_logits(run, exported):
     ids_BxL = np.array([ids[:32], ids[-32:]])
     with torch.no_grad():
         theirs = hf(torch.from_numpy(ids_BxL)).logits.numpy()
-    ours = np.asarray(model.build(run["config"].model).apply({"params": run["params"]}, ids_BxL))
+    ours = np.asarray(model.Transformer(run["config"].model).apply({"params": run["params"]}, ids_BxL))
     vocab = run["tokenizer"].vocab_size
     assert theirs.shape == ours[..., :vocab].shape and np.abs(theirs).max() > 1.0
     np.testing.assert_allclose(ours[..., :vocab], theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
@@ -402,7 +402,7 @@ def _assert_equal_logits(ours: np.ndarray, theirs: np.ndarray) -> None:
 def _logits(workdir: str, ids_BxL: np.ndarray, **model_changes) -> np.ndarray:
     restored = evaluate.restore(workdir, evaluate.run_config(workdir))
     m = ml_collections.ConfigDict({**restored.config.model.to_dict(), **model_changes})
-    logits = model.build(m).apply({"params": jax.device_get(restored.params)}, ids_BxL)
+    logits = model.Transformer(m).apply({"params": jax.device_get(restored.params)}, ids_BxL)
     return np.asarray(logits)[..., :m.vocab_size]
 
 

@@ -36,7 +36,7 @@ def init(m, seed=0, scale=1.0):
 
 
 def forward(m, params, ids, **kw):
-    return model.build(m).apply({"params": params}, jnp.asarray(ids), **kw)
+    return model.Transformer(m).apply({"params": params}, jnp.asarray(ids), **kw)
 
 
 # ---- an independent float64 reference, written from the spec's equations ----

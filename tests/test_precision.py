@@ -63,7 +63,7 @@ def test_low_precision_backward_is_the_bf16_product_of_the_rounded_cotangent(spe
     ka, kb, kg = jax.random.split(jax.random.key(0), 3)
     a = jax.random.normal(ka, shape_a).astype(jnp.bfloat16)
     b = jax.random.normal(kb, shape_b).astype(jnp.bfloat16)
-    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y, jnp.bfloat16, jnp.float32), a, b)
+    out, vjp = jax.vjp(lambda x, y: precision.matmul(x, y, spec, jnp.bfloat16, jnp.float32), a, b)
     assert out.dtype == jnp.float32
     g = jax.random.normal(kg, out.shape, jnp.float32)
     grad_a, grad_b = vjp(g)
@@ -143,7 +143,7 @@ def test_float32_backward_equals_autodiff(spec):
     shape_a, shape_b = SPECS[spec]
     ka, kb, kg = jax.random.split(jax.random.key(3), 3)
     a, b = jax.random.normal(ka, shape_a), jax.random.normal(kb, shape_b)
-    out, vjp = jax.vjp(lambda x, y: precision.einsum_f32_accumulate(spec, x, y, jnp.float32, jnp.float32), a, b)
+    out, vjp = jax.vjp(lambda x, y: precision.matmul(x, y, spec, jnp.float32, jnp.float32), a, b)
     g = jax.random.normal(kg, out.shape)
     ref_out, ref_vjp = jax.vjp(lambda x, y: jnp.einsum(spec, x, y), a, b)
     np.testing.assert_array_equal(out, ref_out)

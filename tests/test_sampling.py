@@ -19,7 +19,7 @@ PROMPT = [5, 17, 42, 8, 99]
 
 @functools.partial(jax.jit, static_argnums=2)
 def _forward(params: dict, ids_BxL: jax.Array, model_config: ml_collections.FrozenConfigDict) -> jax.Array:
-    return model.build(model_config).apply({"params": params}, ids_BxL)
+    return model.Transformer(model_config).apply({"params": params}, ids_BxL)
 
 
 def greedy_without_cache(params: dict, model_config: ml_collections.ConfigDict, prompt_ids: list[int],

@@ -116,7 +116,7 @@ def test_loss_at_init_is_log_vocab():
 
 
 def test_bf16_steps_on_a_sharded_mesh_track_one_device_and_float32_autodiff(monkeypatch):
-    # The written-out backward (precision.einsum_f32_accumulate) in bf16 under fsdp and
+    # The written-out backward (precision.matmul) in bf16 under fsdp and
     # tensor sharding must move the parameters as one device does, and as plain float32
     # autodiff does: compared by the direction of the whole update after 4 AdamW steps (a
     # sign error in any gradient turns it around; 4 losses on random tokens would not).

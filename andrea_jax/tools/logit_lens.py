@@ -50,7 +50,7 @@ def logit_lens(params: Any, model_config: ml_collections.ConfigDict, ids: Sequen
 @functools.partial(jax.jit, static_argnums=2)
 def _lens_arrays(params: Any, ids_1xL: jax.Array, model_config: ml_collections.FrozenConfigDict) -> dict:
     """The Lens fields but ids, as arrays, in one compiled pass."""
-    _, variables = model.build(model_config).apply(
+    _, variables = model.Transformer(model_config).apply(
         {"params": params}, ids_1xL, mutable=[model.INTERMEDIATES, model.DIAGNOSTICS])
     intermediates = variables[model.INTERMEDIATES]
     # The stream after the embedding, then after each block.

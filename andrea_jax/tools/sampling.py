@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from andrea_jax.model import build
+from andrea_jax.model import Transformer
 
 
 def init_cache(model_config: ml_collections.ConfigDict, batch_size: int) -> dict:
     """An empty cache for `batch_size` sequences: zeros shaped by a decode-mode init."""
-    shapes = jax.eval_shape(lambda ids_BxL: build(model_config).init(jax.random.key(0), ids_BxL, decode=True)["cache"],
-                            jax.ShapeDtypeStruct((batch_size, 1), jnp.int32))
+    def init(ids_BxL):
+        return Transformer(model_config).init(jax.random.key(0), ids_BxL, decode=True)["cache"]
+    shapes = jax.eval_shape(init, jax.ShapeDtypeStruct((batch_size, 1), jnp.int32))
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
@@ -30,7 +31,7 @@ def prefill(params: dict, cache: dict, ids_BxL: jax.Array,
             model_config: ml_collections.FrozenConfigDict) -> tuple[jax.Array, dict]:
     """Runs L tokens through the model after those already cached: (logits [B, L, V], cache). With L = 1,
     a decode step."""
-    logits_BxLxV, variables = build(model_config).apply(
+    logits_BxLxV, variables = Transformer(model_config).apply(
         {"params": params, "cache": cache}, ids_BxL, decode=True, mutable=["cache"])
     return logits_BxLxV, variables["cache"]
 
