@@ -104,21 +104,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Logical axis name -> mesh axes. Parameters use the plain names,
     # activations the `act_` names, so that fsdp shards weights, not activations.
     c.logical_axis_rules = [
-        ("act_batch", ("data", "fsdp")),
-        ("act_len", None),
-        ("act_embed", None),
-        ("act_heads", "tensor"),
-        ("act_mlp", "tensor"),
-        ("act_vocab", "tensor"),
-        ("embed", "fsdp"),
-        ("vocab", "tensor"),
-        ("heads", "tensor"),
-        ("mlp", "tensor"),
-        ("qkv", None),
-        ("head_dim", None),
-        ("position", None),
-        ("norm", None),
-        ("layers", None),
+        ("act_batch", ("data", "fsdp")), ("act_len", None), ("act_embed", None),
+        ("act_heads", "tensor"), ("act_mlp", "tensor"), ("act_vocab", "tensor"),
+        ("embed", "fsdp"), ("vocab", "tensor"), ("heads", "tensor"), ("mlp", "tensor"),
+        ("qkv", None), ("head_dim", None), ("position", None), ("norm", None), ("layers", None),
     ]
     return c
 
@@ -137,10 +126,9 @@ def splash_takes_head_dim(width: int) -> bool:
 
 def hellaswag_source_problem(source: str) -> str | None:
     """What is wrong with a HellaSwag source, naming the fix; None when it can be read."""
-    if source.startswith("tfds:"):
-        return None if source == "tfds:hellaswag" else \
-            f"the TFDS HellaSwag source is 'tfds:hellaswag', not {source!r}; anything else is a path to a JSONL file"
-    if not os.path.isfile(source):
+    if source.startswith("tfds:") and source != "tfds:hellaswag":
+        return f"the TFDS HellaSwag source is 'tfds:hellaswag', not {source!r}; anything else is a path to a JSONL file"
+    if not source.startswith("tfds:") and not os.path.isfile(source):
         return (f"HellaSwag file {source!r} does not exist; pass the path of HellaSwag's JSONL "
                 f"(hellaswag_val.jsonl) or 'tfds:hellaswag'")
     return None
@@ -153,8 +141,6 @@ def _at_least(low: int, meaning: str = "") -> tuple:
 def _one_of(*choices: str) -> tuple:
     return (lambda value: value in choices), "is not one of " + ", ".join(map(repr, choices))
 
-
-_MESH_SIZE = (lambda size: size == -1 or size >= 1), "must be a positive size or -1 (the remaining devices)"
 
 # (key, (whether a value is allowed, what the error says it must be)), checked in this order.
 RULES = (
@@ -178,7 +164,8 @@ RULES = (
     ("optimizer.grad_clip_norm", ((lambda value: value > 0), "must be positive (a clip of 0 zeroes every gradient); "
                                                              "use a large value such as 1e9 to turn clipping off")),
     ("optimizer.warmup_steps", _at_least(0)),
-    *((f"mesh.{axis}", _MESH_SIZE) for axis in ("data", "fsdp", "tensor")),
+    *((f"mesh.{axis}", ((lambda size: size == -1 or size > 0), "must be a positive size or -1 (the remaining devices)"))
+      for axis in ("data", "fsdp", "tensor")),
 )
 
 
@@ -192,24 +179,19 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"{key}={value!r} {requirement}")
     m = c.model
     if m.d_model % m.n_head:
-        divisors = [h for h in range(1, m.d_model + 1) if m.d_model % h == 0 and h <= 64]
-        raise ConfigError(
-            f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
-            f"pick a divisor such as {divisors[-1]}")
+        raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
+                          f"pick a divisor such as {max(h for h in range(1, 65) if m.d_model % h == 0)}")
     if m.attention == "splash" and not splash_takes_head_dim(m.d_model // m.n_head):
         raise ConfigError(f"model.attention='splash' takes heads up to 128 wide or a multiple of 128, not "
                           f"{m.d_model // m.n_head} (d_model / n_head); change n_head or use 'auto'")
     width = m.mlp_ratio * m.d_model
     if m.mlp_ratio > 0 and (width < 1 or abs(width - round(width)) > 1e-6):
-        raise ConfigError(
-            f"model.mlp_ratio={m.mlp_ratio} × model.d_model={m.d_model} = {width:g} is not a whole "
-            f"number of units; pick a ratio that gives one, or set mlp_ratio=0 and model.mlp_dim")
+        raise ConfigError(f"model.mlp_ratio={m.mlp_ratio} × model.d_model={m.d_model} = {width:g} is not a whole "
+                          f"number of units; pick a ratio that gives one, or set mlp_ratio=0 and model.mlp_dim")
     if c.seq_len > m.max_len:
-        raise ConfigError(
-            f"seq_len={c.seq_len} exceeds model.max_len={m.max_len}; "
-            f"lower seq_len or raise model.max_len")
-    problem = hellaswag_source_problem(str(c.hellaswag.source)) if c.hellaswag.every else None
-    if problem:
+        raise ConfigError(f"seq_len={c.seq_len} exceeds model.max_len={m.max_len}; "
+                          f"lower seq_len or raise model.max_len")
+    if c.hellaswag.every and (problem := hellaswag_source_problem(str(c.hellaswag.source))):
         raise ConfigError(f"hellaswag.source: {problem}; or hellaswag.every=0 (no HellaSwag in training)")
     if sum(int(c.mesh[a]) == -1 for a in ("data", "fsdp", "tensor")) > 1:
         raise ConfigError("only one of mesh.data, mesh.fsdp, mesh.tensor may be -1")

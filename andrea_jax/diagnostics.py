@@ -47,10 +47,8 @@ def block_grad_norms(grads: Mapping, model_config: ml_collections.ConfigDict) ->
 
 
 def stream_stats(collection: Mapping, model_config: ml_collections.ConfigDict) -> dict[str, jax.Array]:
-    """The "diagnostics" collection of one forward pass -> arrays over depth.
-
-    attn_delta_ratio, mlp_delta_ratio: [n_layer]; stream_norm: [n_layer + 1].
-    """
+    """The "diagnostics" collection of one forward pass -> arrays over depth: attn_delta_ratio and
+    mlp_delta_ratio [n_layer], stream_norm [n_layer + 1]."""
     blocks = per_block(collection, model_config)
     stats = {name: jnp.stack([sown(block[name]) for block in blocks]) for name in (*BLOCK_STATS, "stream_norm")}
     stats["stream_norm"] = jnp.concatenate([sown(collection["embed_stream_norm"])[None], stats["stream_norm"]])

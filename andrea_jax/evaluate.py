@@ -50,23 +50,6 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     return run_dir.load_saved_config(workdir)
 
 
-def _mesh_for(config: ml_collections.ConfigDict) -> tuple[Mesh, ml_collections.ConfigDict]:
-    """The run's mesh if it fits the devices present, else every usable device on the data axis
-    (and one micro-batch, which splits over any of them)."""
-    try:
-        return sharding.make_mesh(config), config
-    except ConfigError:
-        devices = jax.devices()
-        count = max(n for n in range(1, len(devices) + 1) if config.batch_size % n == 0)
-        fallback = ml_collections.ConfigDict(config.to_dict())
-        fallback.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
-        fallback.microbatches = 1
-        mesh = sharding.make_mesh(fallback, devices[:count])
-        print(f"note: the run's mesh {dict(config.mesh)} does not fit the {len(devices)} device(s) here; "
-              f"evaluating on {sharding.describe(mesh)}", flush=True)
-        return mesh, fallback
-
-
 def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step: int | None = None) -> Restored:
     """The params of `step` (default: the newest readable), sharded over the devices present; `config`
     replaces the run's own."""
@@ -90,7 +73,18 @@ def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step:
         if ckpt is None or not ckpt.steps():
             raise EvalError(f"no checkpoint in {directory} yet; train first (python train.py --workdir "
                             f"{workdir} ...), a checkpoint is written every checkpoint_every steps and at the end")
-        mesh, config = _mesh_for(config)
+        try:
+            mesh = sharding.make_mesh(config)
+        except ConfigError:
+            # The run's mesh does not fit the devices here: every usable one on the data axis, and one
+            # micro-batch (which splits over any of them).
+            devices, run_mesh = jax.devices(), dict(config.mesh)
+            count = max(n for n in range(1, len(devices) + 1) if config.batch_size % n == 0)
+            config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+            config.microbatches = 1
+            mesh = sharding.make_mesh(config, devices[:count])
+            print(f"note: the run's mesh {run_mesh} does not fit the {len(devices)} device(s) here; "
+                  f"evaluating on {sharding.describe(mesh)}", flush=True)
         config = resolve.for_devices(config, mesh.devices.flat[0], evaluating=True)
         axis_rules = sharding.rules(config)
         with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
@@ -111,10 +105,8 @@ def validation_split(config: ml_collections.ConfigDict, tokenizer: tokenizers.To
 
 def scored_batches(step: Callable, params: Any, local_batch: Callable[[int], np.ndarray], batches: int,
                    batch_sharding: NamedSharding) -> Iterator[np.ndarray]:
-    """step(params, batch) of batches 0 .. batches - 1 on the host, in order, each fetched while the next runs.
-
-    The one scoring loop of validation and HellaSwag; `local_batch(index=i)` is this process's rows of batch i.
-    """
+    """step(params, batch) of batches 0 .. batches - 1 on the host, in order, each fetched while the next runs: the
+    one scoring loop of validation and HellaSwag; `local_batch(index=i)` is this process's rows of batch i."""
     in_flight = None
     for index in range(batches):
         output = step(params, batcher.to_global(local_batch(index=index), batch_sharding))

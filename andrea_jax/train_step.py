@@ -1,4 +1,4 @@
-"""The pure functions that run under `jit`: state init, the train step, the eval steps (row losses, token losses).
+"""The pure functions that run under `jit`: state init, the train step, the eval step (row or token losses).
 
 The training state is a plain dict pytree {"step", "params", "opt_state"}; the
 loop (`train_loop.py`) jits these with explicit shardings.
@@ -20,19 +20,13 @@ from andrea_jax.sharding import BATCH_AXES
 State = dict[str, Any]
 
 
-def uses_loss_scaling(config: ml_collections.ConfigDict) -> bool:
-    return precision.resolve_dtype_name(config.model.dtype) == "float16"
-
-
 def init_state(rng: jax.Array, config: ml_collections.ConfigDict, tx: optax.GradientTransformation) -> State:
-    """Boxed state: params and their optimizer moments carry logical axis names.
-
-    float16 compute adds the dynamic loss scale ("loss_scale", see loss_scale.py).
-    """
+    """Boxed state: params and their optimizer moments carry logical axis names; float16 compute adds the
+    dynamic loss scale ("loss_scale", see loss_scale.py)."""
     params = model.init_params(config.model, rng)
     # optax maps over the boxes, so mu and nu inherit the params' axis names.
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
-    if uses_loss_scaling(config):
+    if precision.resolve_dtype_name(config.model.dtype) == "float16":
         state["loss_scale"] = loss_scale.init()
     return state
 
@@ -65,18 +59,15 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
     """train_step(state, batch [B, L+1]) -> (state, metrics); gradients accumulated over micro-batches.
 
     `tx` is `optimizer.make`'s, whose update takes the rate `schedule` gives the state's step.
-    With config.diagnostics the metrics also hold the "diag/..." keys of `diagnostics.py`.
-    """
+    With config.diagnostics the metrics also hold the "diag/..." keys of `diagnostics.py`."""
     num_micro = max(1, int(config.microbatches))  # 0 (automatic) is resolved by `fit.fit`; alone it means 1
     use_dropout = config.model.dropout > 0.0
     diagnose = bool(config.diagnostics)
 
     def grads_of(params, micro_BxLp1, rng, scale):
         """(loss, grads of scale × loss, stream stats); the stats are {} unless diagnosing."""
-        rng = rng if use_dropout else None
-
         def scaled_loss(params):
-            losses_BxL, stats = token_losses(params, config.model, micro_BxLp1, rng, diagnose)
+            losses_BxL, stats = token_losses(params, config.model, micro_BxLp1, rng if use_dropout else None, diagnose)
             loss = losses_BxL.mean()
             return scale * loss, (loss, stats)
 
@@ -101,10 +92,8 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), stats
 
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss_sum, grad_sum), stats_M = jax.lax.scan(accumulate, zeros,
-                                                         (jnp.arange(num_micro), micro_MxBxLp1))
+            (loss_sum, grads), stats_M = jax.lax.scan(accumulate, zeros, (jnp.arange(num_micro), micro_MxBxLp1))
             loss = loss_sum / num_micro
-            grads = grad_sum
             stats = jax.tree.map(lambda s: s.mean(0), stats_M)
         grads = jax.tree.map(lambda g: g / (num_micro * scale), grads)  # float32: unscaled exactly
 
@@ -135,10 +124,14 @@ def make_train_step(config: ml_collections.ConfigDict, tx: optax.GradientTransfo
     return train_step
 
 
-def _row_by_row(config: ml_collections.ConfigDict, per_micro: Callable[[Any, jax.Array], jax.Array]
-                ) -> Callable[[Any, jax.Array], jax.Array]:
-    """per_micro(params, rows) -> a value a row, run one micro-batch at a time as in training, back in row order."""
+def make_eval_step(config: ml_collections.ConfigDict, per_token: bool = False) -> Callable[[Any, jax.Array], jax.Array]:
+    """eval_step(params, batch [B, L+1]) -> each row's mean loss [B], or with `per_token` each target token's
+    loss [B, L] (float32, for scoring parts of a row: HellaSwag's endings); one micro-batch at a time as in training."""
     num_micro = max(1, int(config.microbatches))
+
+    def per_micro(params: Any, micro_BxLp1: jax.Array) -> jax.Array:
+        losses_BxL = token_losses(params, config.model, micro_BxLp1)[0]
+        return losses_BxL if per_token else losses_BxL.mean(1)
 
     def step(params: Any, batch_BxLp1: jax.Array) -> jax.Array:
         if num_micro == 1:
@@ -148,14 +141,3 @@ def _row_by_row(config: ml_collections.ConfigDict, per_micro: Callable[[Any, jax
         # micro-batch m held rows m, m+M, ...: back in row order
         return out_MxBm.swapaxes(0, 1).reshape(-1, *out_MxBm.shape[2:])
     return step
-
-
-def make_eval_step(config: ml_collections.ConfigDict) -> Callable[[Any, jax.Array], jax.Array]:
-    """eval_step(params, batch [B, L+1]) -> each row's mean loss [B], one micro-batch at a time as in training."""
-    return _row_by_row(config, lambda params, micro_BxLp1: token_losses(params, config.model, micro_BxLp1)[0].mean(1))
-
-
-def make_token_loss_step(config: ml_collections.ConfigDict) -> Callable[[Any, jax.Array], jax.Array]:
-    """token_loss_step(params, batch [B, L+1]) -> each target token's loss [B, L] (float32), for scoring parts
-    of a row (HellaSwag's endings); batched and micro-batched as the eval step."""
-    return _row_by_row(config, lambda params, micro_BxLp1: token_losses(params, config.model, micro_BxLp1)[0])

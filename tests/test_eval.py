@@ -171,6 +171,17 @@ def test_a_run_without_checkpoints_or_config(trained, tmp_path):
         evaluate.restore(trained, other_shape)
 
 
+def test_a_mesh_larger_than_the_devices_falls_back_to_every_device_on_the_data_axis(trained, capsys):
+    config = evaluate.run_config(trained)
+    config.mesh.update(dict(data=16, fsdp=1, tensor=1))
+    config.microbatches = 2
+    restored = evaluate.restore(trained, config)
+    assert "the run's mesh {'data': 16, 'fsdp': 1, 'tensor': 1} does not fit the 8 device(s) here" in \
+        capsys.readouterr().out
+    assert dict(restored.mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1} and restored.config.microbatches == 1
+    assert config.mesh.data == 16  # the caller's config is left as it was
+
+
 @pytest.mark.parametrize("recorded", ["splash", "flash"])  # "flash": the TPU kernel's name in earlier versions
 def test_a_run_trained_on_a_tpu_evaluates_on_a_cpu_with_this_machines_attention(trained, tmp_path, recorded):
     workdir = tmp_path / "tpu_run"

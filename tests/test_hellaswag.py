@@ -134,7 +134,7 @@ def test_rows_are_cut_from_the_left_padded_on_the_right_and_masked_on_the_ending
 
 
 def test_encode_tokenizes_endings_after_a_space_and_starts_an_empty_context_from_end_of_text(tokenizer):
-    encoded = hellaswag.encode(examples(), tokenizer)
+    encoded = hellaswag.rows_of(examples(), 0, tokenizer)
     assert len(encoded.ids) == 4 * len(ROWS) and list(encoded.labels) == [row["label"] for row in ROWS]
     row = 4 * 3 + 1  # example 3, ending 1
     ids = encoded.ids[row].tolist()
@@ -145,7 +145,7 @@ def test_encode_tokenizes_endings_after_a_space_and_starts_an_empty_context_from
     no_end_of_text = tokenizers.CharTokenizer("".join(r["ctx"] + "".join(r["endings"]) for r in ROWS) + " ",
                                               end_of_text=False)
     with pytest.raises(DataError, match="example 8 has an empty context and the char tokenizer has no end-of-text"):
-        hellaswag.encode(examples(), no_end_of_text)
+        hellaswag.rows_of(examples(), 0, no_end_of_text)
 
 
 def test_evenly_spaced_sample_is_fixed_and_spread():
@@ -177,7 +177,7 @@ def test_log_likelihoods_equal_transformers_on_the_exported_model(tokenizer, tmp
     transformers = pytest.importorskip("transformers", reason="the reference stack is not installed")
     config = small_config(tokenizer.vocab_size, microbatches=2, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     params = random_params(config.model, seed=5)
-    rows = hellaswag.encode(examples(), tokenizer)
+    rows = hellaswag.rows_of(examples(), 0, tokenizer)
     ours, tokens = log_likelihoods(config, params, rows, jax.devices())
 
     huggingface.write_hf(str(tmp_path), params, config.model, tokenizer)
@@ -207,7 +207,7 @@ def test_log_likelihoods_equal_transformers_on_the_exported_model(tokenizer, tmp
 def test_a_model_that_memorised_the_right_endings_scores_one(tokenizer):
     """Trained on the nine right (context, ending) rows until it knows them: every example right, both ways."""
     config = small_config(tokenizer.vocab_size)
-    rows = hellaswag.encode(examples(), tokenizer)
+    rows = hellaswag.rows_of(examples(), 0, tokenizer)
     right = rows.labels + 4 * np.arange(len(ROWS))  # the row of each right ending
     right_9xLp1 = hellaswag.batch(rows, index=0, batch_size=len(rows.ids), seq_len=config.seq_len)[0][right]
     mesh = sharding.make_mesh(config, jax.devices()[:1])
@@ -234,7 +234,7 @@ def test_a_uniform_model_ties_every_ending_and_the_tie_rule_decides(tokenizer):
     config = small_config(tokenizer.vocab_size)
     params = random_params(config.model, seed=1)
     params["token_embed"] = np.zeros_like(params["token_embed"])
-    rows = hellaswag.encode(examples(), tokenizer)
+    rows = hellaswag.rows_of(examples(), 0, tokenizer)
     log_likelihood, tokens = log_likelihoods(config, params, rows, jax.devices()[:1])
     np.testing.assert_allclose(log_likelihood, -tokens * math.log(tokenizer.vocab_size), rtol=1e-6)
     result = hellaswag.accuracies(log_likelihood, tokens, rows.labels)

@@ -4,7 +4,7 @@ An example is a context (`ctx`) and four endings, one of them right (`label`).
 Each (context, " " + ending) pair is one row of the validation batch [B, L+1]:
 its tokens from the start, cut from the left to the L+1 the row holds, padded on
 the right (the model is causal, so padding changes nothing before it). The
-per-token losses of the rows (`train_step.make_token_loss_step`, compiled for the
+per-token losses of the rows (`train_step.make_eval_step`'s `per_token`, compiled for the
 shape the validation step has) are summed over the ending's tokens alone.
 
   acc       the ending with the highest total log-likelihood is the label
@@ -55,8 +55,6 @@ class Encoded:
     labels: np.ndarray  # int64 [N]
     source_examples: int  # how many the source holds (the rows may be a sample of them)
 
-
-# ---------------------------------------------------------------- reading
 
 def _example(row: Any, where: str) -> Example:
     """An Example from one object of the original JSONL; DataError naming `where` otherwise."""
@@ -125,18 +123,13 @@ def evenly_spaced(examples: Sequence[Example], count: int) -> list[Example]:
     return [examples[i] for i in np.arange(count) * len(examples) // count]
 
 
-# ---------------------------------------------------------------- token rows
-
 def rows_of(examples: Sequence[Example], count: int, tokenizer: Tokenizer) -> Encoded:
-    """The token rows of `count` of the examples (0 = all of them), evenly spaced."""
-    return dataclasses.replace(encode(evenly_spaced(examples, count), tokenizer), source_examples=len(examples))
-
-
-def encode(examples: Sequence[Example], tokenizer: Tokenizer) -> Encoded:
-    """Each example's four rows: the context's tokens, then the ending's, tokenized apart as " " + ending.
+    """The four rows of each of `count` of the examples (0 = all of them), evenly spaced: the context's tokens,
+    then the ending's, tokenized apart as " " + ending.
 
     An empty context starts from end-of-text, so that the ending's first token has something to follow.
     """
+    source_examples, examples = len(examples), evenly_spaced(examples, count)
     contexts = tokenizer.encode_arrays([e.context for e in examples])
     endings = tokenizer.encode_arrays([" " + ending for e in examples for ending in e.endings])
     ids = []
@@ -148,7 +141,7 @@ def encode(examples: Sequence[Example], tokenizer: Tokenizer) -> Encoded:
             context = np.array([tokenizer.eot_id], np.int32)
         ids.extend(np.concatenate([context, ending]) for ending in endings[ENDINGS * index:ENDINGS * (index + 1)])
     return Encoded(ids, np.array([len(e) for e in endings], np.int64), np.array([e.label for e in examples], np.int64),
-                   source_examples=len(examples))
+                   source_examples)
 
 
 def batch(encoded: Encoded, *, index: int, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -172,15 +165,13 @@ def cut_rows(encoded: Encoded, seq_len: int) -> dict:
             "rows_ending_cut": int(np.sum(encoded.ending_lengths > seq_len))}
 
 
-# ---------------------------------------------------------------- scoring
-
 def ending_log_likelihoods(token_loss_step: Callable, params: Any, encoded: Encoded,
                            config: ml_collections.ConfigDict, batch_sharding: NamedSharding
                            ) -> tuple[np.ndarray, np.ndarray]:
     """(each ending's summed log-likelihood [N, 4] in float64, its token count [N, 4]).
 
-    `token_loss_step` is `train_step.make_token_loss_step`'s, jitted with replicated output; every process
-    builds its rows of each batch, as validation does, and all get the same figures.
+    `token_loss_step` is `make_step`'s; every process builds its rows of each batch, as validation does,
+    and all get the same figures.
     """
     batch_size, seq_len, rows = int(config.batch_size), int(config.seq_len), len(encoded.ids)
     local = batcher.local_rows(batch_size, jax.process_index(), jax.process_count())
@@ -210,14 +201,13 @@ def accuracies(log_likelihood_NxE: np.ndarray, tokens_NxE: np.ndarray, labels_N:
 
 def make_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Callable:
     """The jitted per-token loss of a [B, L+1] batch, replicated to every process (under the run's mesh)."""
-    return jax.jit(train_step.make_token_loss_step(config), out_shardings=sharding.replicated(mesh))
+    return jax.jit(train_step.make_eval_step(config, per_token=True), out_shardings=sharding.replicated(mesh))
 
 
 def score(token_loss_step: Callable, params: Any, encoded: Encoded, config: ml_collections.ConfigDict,
           batch_sharding: NamedSharding) -> dict:
     """acc, acc_norm and their standard errors over the encoded examples (the loop's and eval.py's)."""
-    log_likelihood_NxE, tokens_NxE = ending_log_likelihoods(token_loss_step, params, encoded, config,
-                                                            batch_sharding)
+    log_likelihood_NxE, tokens_NxE = ending_log_likelihoods(token_loss_step, params, encoded, config, batch_sharding)
     return {**accuracies(log_likelihood_NxE, tokens_NxE, encoded.labels),
             "source_examples": encoded.source_examples, **cut_rows(encoded, int(config.seq_len))}
 

@@ -127,8 +127,7 @@ def trace(params: Any, model_config: ml_collections.ConfigDict, tokenizer: Any, 
     ids = tokenizer.encode(text)
     if not ids:
         raise UserError("--trace needs a text of at least one token")
-    ids = ids[-int(model_config.max_len):]
-    lens = logit_lens(params, model_config, ids)
+    lens = logit_lens(params, model_config, ids[-int(model_config.max_len):])
     if out_png:
         plot(lens, tokenizer, out_png)
     return format_table(lens, tokenizer)

@@ -28,13 +28,6 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
-def _plain_log_ticks(axis, ticker) -> None:
-    """Log-scale ticks labelled 2, 3, 5 rather than 2×10⁰: a loss curve spans about a decade."""
-    axis.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)))
-    axis.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-    axis.yaxis.set_minor_formatter(ticker.NullFormatter())
-
-
 def plot_run(workdir: str, path: str | None = None) -> str:
     """Writes the run's curves to `path` (default <workdir>/metrics.png) and returns the path."""
     import matplotlib
@@ -73,8 +66,10 @@ def plot_run(workdir: str, path: str | None = None) -> str:
         if log and values and min(values) > 0:
             axis.set_yscale("log")
     for axis in axes.ravel():
-        if axis.get_yscale() == "log":
-            _plain_log_ticks(axis, ticker)
+        if axis.get_yscale() == "log":  # ticks labelled 2, 3, 5 rather than 2×10⁰: a loss curve spans about a decade
+            axis.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)))
+            axis.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+            axis.yaxis.set_minor_formatter(ticker.NullFormatter())
         axis.grid(True, which="both", alpha=0.3)
     for axis in axes[1]:
         axis.set_xlabel("step")
