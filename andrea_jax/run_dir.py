@@ -67,15 +67,6 @@ def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.Co
                               f"pass --config.model.{key}={old}, or use a new --workdir")
 
 
-def schedule_changes(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> list[str]:
-    """The learning-rate schedule's keys a resume changes, as "key old → new" (the schedule is then recomputed
-    over the new values: `steps=1100` on a finished 1000-step run raises the rate again)."""
-    pairs = [("steps", saved.steps, config.steps)] + [
-        (f"optimizer.{key}", saved.optimizer[key], config.optimizer[key])
-        for key in ("learning_rate", "warmup_steps", "decay", "min_learning_rate_ratio")]
-    return [f"{key} {old} → {new}" for key, old, new in pairs if old != new]
-
-
 def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     """Writes the resolved config atomically (a kill leaves the old file or the new one)."""
     os.makedirs(workdir, exist_ok=True)

@@ -228,12 +228,11 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
         return {"val_loss": loss}
 
     def hellaswag_scores(done: int, state: dict) -> dict:
-        scored = hellaswag.metrics_of(hellaswag.score(hellaswag_step, state["params"], hellaswag_rows, config,
-                                                      batch_sharding))
-        progress.write(f"step {done}: hellaswag acc {scored['hellaswag/acc']:.4f} ± "
-                       f"{scored['hellaswag/acc_stderr']:.4f}, acc_norm {scored['hellaswag/acc_norm']:.4f} ± "
-                       f"{scored['hellaswag/acc_norm_stderr']:.4f} ({len(hellaswag_rows.labels)} examples)")
-        return scored
+        scored = hellaswag.score(hellaswag_step, state["params"], hellaswag_rows, config, batch_sharding)
+        progress.write(f"step {done}: hellaswag acc {scored['acc']:.4f} ± {scored['acc_stderr']:.4f}, acc_norm "
+                       f"{scored['acc_norm']:.4f} ± {scored['acc_norm_stderr']:.4f} ({len(hellaswag_rows.labels)} "
+                       f"examples)")
+        return {f"hellaswag/{key}": scored[key] for key in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
 
     actions = [(config.log_every, train_metrics), (config.eval_every, val_loss)]
     if hellaswag_rows is not None:
@@ -282,8 +281,15 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
 
 def _report_schedule_change(saved: ml_collections.ConfigDict | None, config: ml_collections.ConfigDict,
                             start_step: int) -> None:
-    """One line when a resume recomputes the learning-rate schedule: the rate jumps at the resumed step."""
-    changes = run_dir.schedule_changes(saved, config) if saved is not None and start_step else []
+    """One line when a resume changes the learning-rate schedule's keys: the schedule is recomputed over
+    the new values, so the rate jumps at the resumed step (`steps=1100` on a finished 1000-step run
+    raises it again)."""
+    if saved is None or not start_step:
+        return
+    pairs = [("steps", saved.steps, config.steps)] + [
+        (f"optimizer.{key}", saved.optimizer[key], config.optimizer[key])
+        for key in ("learning_rate", "warmup_steps", "decay", "min_learning_rate_ratio")]
+    changes = [f"{key} {old} → {new}" for key, old, new in pairs if old != new]
     if changes:
         now, before = (float(optimizer.learning_rate_schedule(c)(start_step)) for c in (config, saved))
         print(f"the learning-rate schedule changes on resume ({', '.join(changes)}): step {start_step + 1} "

@@ -216,8 +216,3 @@ def score_on_mesh(params: Any, encoded: Encoded, config: ml_collections.ConfigDi
     """`score` with a step compiled here, for params placed on `mesh` (eval.py, tests)."""
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.rules(config)):
         return score(make_step(config, mesh), params, encoded, config, sharding.batch_sharding(mesh))
-
-
-def metrics_of(result: dict) -> dict:
-    """The figures training logs (metrics.jsonl, TensorBoard), under hellaswag/."""
-    return {f"hellaswag/{key}": result[key] for key in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
