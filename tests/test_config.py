@@ -58,6 +58,9 @@ def test_config_files_are_the_expected_models():
     (dict(mesh=dict(data=-1, fsdp=-1)), "only one of mesh.data"),
     (dict(steps=0), "steps=0 must be >= 1"),
     (dict(optimizer=dict(grad_clip_norm=0.0)), "a clip of 0 zeroes every gradient"),
+    (dict(data=dict(val_fraction=0.0)), "data.val_fraction=0.0 must be in (0, 0.5]"),
+    (dict(data=dict(stream_tokens=-1)), "data.stream_tokens=-1 must be >= 0 (0 = 1.1 × the tokens"),
+    (dict(data=dict(stream_val_documents=0)), "data.stream_val_documents=0 must be >= 1"),
 ])
 def test_impossible_configs_name_the_fix(change, message):
     config = base_config()

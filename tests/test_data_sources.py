@@ -135,8 +135,6 @@ def test_few_documents_split_by_text_across_document_boundaries():
     assert read_all(train) == ["aaaa", "bbbb", "cccc", "dd"]  # 70% of 20 characters
     assert read_all(val) == ["dd", "eeee"]
     assert rule.startswith("last 0.3")
-    with pytest.raises(DataError, match="val_fraction=0.0"):
-        sources.hold_out(documents, 0.0)
 
 
 def test_undecodable_bytes_read_as_replacement_characters(tmp_path):

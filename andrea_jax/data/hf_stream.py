@@ -76,14 +76,7 @@ def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> so
     local = os.path.isdir(arguments["path"])
     field, train_split, val_split = str(data.text_field), str(data.train_split), str(data.val_split)
     val_documents, stream_tokens = int(data.stream_val_documents), int(data.stream_tokens)
-    if val_documents < 1:
-        raise DataError(f"data.stream_val_documents={val_documents} must be at least 1")
-    if stream_tokens < 0:
-        raise DataError(f"data.stream_tokens={stream_tokens} must be >= 0 (0 = {float(STREAM_MARGIN)} "
-                        f"× the tokens the run's steps read)")
     train_tokens = stream_tokens or math.ceil(STREAM_MARGIN * steps_tokens)
-    if train_tokens < 1:
-        raise DataError("a streamed source needs a size: set data.stream_tokens")
     described = f"Hugging Face dataset {'/'.join(str(a) for a in arguments.values())}"
     dataset = functools.cache(lambda: _load(arguments, described, not local))
 

@@ -167,8 +167,6 @@ def open_split(builder, split: str):
 
 def hold_out(documents: DataSourceDocuments, val_fraction: float) -> tuple[Documents, Documents, str]:
     """(train, val, rule): every k-th document held out, or the text's last fraction."""
-    if not 0.0 < val_fraction <= 0.5:
-        raise DataError(f"data.val_fraction={val_fraction} must be in (0, 0.5]")
     stride = max(2, round(1.0 / val_fraction))
     if len(documents) // stride >= MIN_VAL_DOCUMENTS:
         return (dataclasses.replace(documents, stride=stride),
