@@ -56,7 +56,10 @@ def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step:
     workdir = os.fspath(workdir)
     if not os.path.isdir(workdir):
         raise EvalError(f"--workdir {workdir} does not exist; pass the directory train.py wrote")
-    config = run_config(workdir) if config is None else config
+    if config is None:
+        config = run_config(workdir)
+    elif os.path.exists(os.path.join(workdir, run_dir.CONFIG_FILE)):  # another config must build the run's model
+        run_dir.check_compatible(run_dir.load_saved_config(workdir), config, workdir)
     tokenizer_path = os.path.join(workdir, pipeline.TOKENIZER_FILE)
     if not os.path.isfile(tokenizer_path):
         raise EvalError(f"{workdir} has no {pipeline.TOKENIZER_FILE}; pass the directory train.py wrote")
@@ -65,8 +68,6 @@ def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step:
     if config.model.vocab_size == 0:
         config.model.vocab_size = tokenizer.vocab_size
     validate(config)
-    if os.path.exists(os.path.join(workdir, run_dir.CONFIG_FILE)):  # a --config file must build the run's model
-        run_dir.check_compatible(run_dir.load_saved_config(workdir), config, workdir)
     directory = checkpoint.directory_of(workdir)
     ckpt = checkpoint.Checkpointer(workdir, read_only=True) if os.path.isdir(directory) else None
     try:
