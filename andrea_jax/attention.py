@@ -8,7 +8,8 @@
           above the causal diagonal skipped, one fused backward, and softmax statistics kept at 8
           sublanes rather than broadcast to 128 lanes (JAX's older flash kernel moved more bytes for
           them than the rest of attention).
-  auto    splash on a TPU where the head width suits it, cudnn on a GPU that has it, xla elsewhere (T4s).
+  auto    splash on a TPU where the head width suits it, cudnn on a GPU that has it for the run's dtype
+          and head width, xla elsewhere (T4s, float32 compute, heads cuDNN cannot take).
 Decoding with the KV cache, and dropout while training, take the einsum path in every case.
 """
 
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from andrea_jax import sharding
+from andrea_jax import precision, sharding
 from andrea_jax.config import ConfigError, splash_takes_head_dim
 
 LANES = 128  # the TPU kernel's blocks are multiples of the vector registers' lanes
@@ -30,34 +31,45 @@ LANES = 128  # the TPU kernel's blocks are multiples of the vector registers' la
 # the 4 blocks (blocks of 128 would compute 36 of 64, at 16 times the steps); see bench/RESULTS.md.
 BLOCK = 512
 MIN_CUDA_CAPABILITY_FOR_CUDNN = 8.0  # cuDNN's flash attention starts with Ampere
+CUDNN_DTYPES = ("bfloat16", "float16")  # its fused attention has no float32 kernel
 PLATFORM_OF = {"splash": "tpu", "cudnn": "gpu"}  # where each kernel runs
 
 
-def _has_cudnn_flash(device) -> bool:
+def cudnn_problem(device, width: int, dtype: str) -> str | None:
+    """Why cuDNN's fused attention cannot run heads `width` wide in `dtype` on `device`; None when it can."""
     capability = getattr(device, "compute_capability", None)  # CUDA devices only, compile-only ones too
-    return capability is not None and float(capability) >= MIN_CUDA_CAPABILITY_FOR_CUDNN
+    if capability is None or float(capability) < MIN_CUDA_CAPABILITY_FOR_CUDNN:
+        return f"needs compute capability {MIN_CUDA_CAPABILITY_FOR_CUDNN} or newer and this GPU has {capability}"
+    if dtype not in CUDNN_DTYPES:
+        return f"computes in bfloat16 or float16, not model.dtype={dtype!r}"
+    widest = 256 if float(capability) >= 9.0 else 128  # Hopper's kernels take wider heads
+    if width % 8 or width > widest:
+        return f"takes heads of a multiple of 8 up to {widest} wide on this GPU, not {width}"
+    return None
 
 
-def resolve_name(name: str, width: int, device=None) -> str:
-    """`model.attention` with "auto" replaced by the choice for `device` (default: the first)."""
+def resolve_name(name: str, width: int, dtype: str, device=None) -> str:
+    """`model.attention` with "auto" replaced by the choice for heads `width` wide computed in
+    `dtype` (a resolved `model.dtype`) on `device` (default: the first)."""
     if name != "auto":
         return name
     device = device or jax.devices()[0]
     if device.platform == "tpu" and splash_takes_head_dim(width):
         return "splash"
-    return "cudnn" if device.platform == "gpu" and _has_cudnn_flash(device) else "xla"
+    return "cudnn" if device.platform == "gpu" and cudnn_problem(device, width, dtype) is None else "xla"
 
 
 def for_device(model_config: ml_collections.ConfigDict, device) -> str:
     """The implementation a run on `device` uses; ConfigError when the one named cannot run there."""
-    name = resolve_name(model_config.attention, model_config.d_model // model_config.n_head, device)
+    width, dtype = model_config.d_model // model_config.n_head, precision.resolve_dtype_name(model_config.dtype, device)
+    name = resolve_name(model_config.attention, width, dtype, device)
     platform = PLATFORM_OF.get(name)
     if platform is not None and device.platform != platform:
         raise ConfigError(f"model.attention={name!r} runs on {platform.upper()}s and this run's devices are "
                           f"{device.platform}; use 'auto' (the fastest kernel each chip has) or 'xla'")
-    if name == "cudnn" and not _has_cudnn_flash(device):
-        raise ConfigError(f"model.attention='cudnn' needs compute capability {MIN_CUDA_CAPABILITY_FOR_CUDNN} or "
-                          f"newer and this GPU has {device.compute_capability}; use 'auto' or 'xla'")
+    problem = cudnn_problem(device, width, dtype) if name == "cudnn" else None
+    if problem:
+        raise ConfigError(f"model.attention='cudnn' {problem}; use 'auto' or 'xla'")
     return name
 
 
@@ -67,7 +79,8 @@ def for_saved_run(model_config: ml_collections.ConfigDict, device) -> str:
     try:
         return for_device(model_config, device)
     except ConfigError:
-        return resolve_name("auto", model_config.d_model // model_config.n_head, device)
+        auto = ml_collections.ConfigDict({**model_config.to_dict(), "attention": "auto"})
+        return for_device(auto, device)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -232,7 +232,7 @@ class Attention(nn.Module):
             k_BxSxHxK, v_BxSxHxK = (buffer.value for buffer in cached)
             causal_LxS = jnp.arange(self.max_len)[None, :] <= cache_index + jnp.arange(length)[:, None]
 
-        implementation = attention.resolve_name(self.implementation, head_dim)
+        implementation = attention.resolve_name(self.implementation, head_dim, jnp.dtype(self.dtype).name)
         dropping = not deterministic and self.dropout != 0.0
         if cache_index is None and not dropping and implementation in attention.FUSED:
             out_BxLxHxK = attention.FUSED[implementation](q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)

@@ -89,18 +89,23 @@ def test_splash_model_on_a_data_fsdp_tensor_mesh_equals_the_einsum_model_on_one_
     jax.tree.map(assert_close_in_bfloat16, grads, expected_grads)
 
 
-@pytest.mark.parametrize("name, device, width, expected", [
-    ("auto", FakeDevice("tpu"), 64, "splash"),
-    ("auto", FakeDevice("tpu"), 192, "xla"),  # wider than the kernel takes
-    ("auto", FakeDevice("gpu", "9.0"), 64, "cudnn"),
-    ("auto", FakeDevice("gpu", "8.0"), 64, "cudnn"),
-    ("auto", FakeDevice("gpu", "7.5"), 64, "xla"),  # a T4: no cuDNN flash attention
-    ("auto", FakeDevice("cpu"), 64, "xla"),
-    ("xla", FakeDevice("tpu"), 64, "xla"),
-    ("splash", FakeDevice("tpu"), 128, "splash"),
+@pytest.mark.parametrize("name, device, width, dtype, expected", [
+    ("auto", FakeDevice("tpu"), 64, "bfloat16", "splash"),
+    ("auto", FakeDevice("tpu"), 192, "bfloat16", "xla"),  # wider than the kernel takes
+    ("auto", FakeDevice("gpu", "9.0"), 64, "bfloat16", "cudnn"),
+    ("auto", FakeDevice("gpu", "8.0"), 64, "float16", "cudnn"),
+    ("auto", FakeDevice("gpu", "7.5"), 64, "float16", "xla"),  # a T4: no cuDNN flash attention
+    ("auto", FakeDevice("gpu", "9.0"), 64, "float32", "xla"),  # cuDNN has no float32 kernel
+    ("auto", FakeDevice("gpu", "8.0"), 60, "bfloat16", "xla"),  # not a multiple of 8
+    ("auto", FakeDevice("gpu", "8.0"), 192, "bfloat16", "xla"),  # over 128 before Hopper
+    ("auto", FakeDevice("gpu", "9.0"), 192, "bfloat16", "cudnn"),  # Hopper takes up to 256
+    ("auto", FakeDevice("gpu", "9.0"), 384, "bfloat16", "xla"),
+    ("auto", FakeDevice("cpu"), 64, "bfloat16", "xla"),
+    ("xla", FakeDevice("tpu"), 64, "bfloat16", "xla"),
+    ("splash", FakeDevice("tpu"), 128, "bfloat16", "splash"),
 ])
-def test_auto_picks_each_chips_kernel_and_explicit_names_stay(name, device, width, expected):
-    assert attention.resolve_name(name, width, device) == expected
+def test_auto_picks_each_chips_kernel_and_explicit_names_stay(name, device, width, dtype, expected):
+    assert attention.resolve_name(name, width, dtype, device) == expected
 
 
 def test_a_kernel_off_its_chip_or_at_a_width_it_cannot_take_is_refused_with_the_fix():
@@ -111,6 +116,12 @@ def test_a_kernel_off_its_chip_or_at_a_width_it_cannot_take_is_refused_with_the_
         attention.for_device(small_model(attention="cudnn"), FakeDevice("cpu"))
     with pytest.raises(ConfigError, match="'cudnn' needs compute capability 8.0 or newer and this GPU has 7.5"):
         attention.for_device(small_model(attention="cudnn"), FakeDevice("gpu", "7.5"))
+    with pytest.raises(ConfigError, match=r"^model.attention='cudnn' computes in bfloat16 or float16, not "
+                                          r"model.dtype='float32'; use 'auto' or 'xla'$"):
+        attention.for_device(small_model(attention="cudnn", dtype="float32"), FakeDevice("gpu", "9.0"))
+    with pytest.raises(ConfigError, match="'cudnn' takes heads of a multiple of 8 up to 128 wide on this GPU, not 12"):
+        attention.for_device(small_model(attention="cudnn", dtype="bfloat16", n_head=2, d_model=24),
+                             FakeDevice("gpu", "8.0"))
     config = base_config()
     config.model.attention, config.model.n_head = "splash", 4  # heads of 192
     with pytest.raises(ConfigError, match="not 192 .*change n_head or use 'auto'"):
@@ -119,5 +130,7 @@ def test_a_kernel_off_its_chip_or_at_a_width_it_cannot_take_is_refused_with_the_
 
 def test_a_run_recorded_with_a_kernel_this_machine_lacks_evaluates_with_this_machines_choice():
     assert attention.for_saved_run(small_model(attention="splash"), FakeDevice("cpu")) == "xla"
-    assert attention.for_saved_run(small_model(attention="splash"), FakeDevice("gpu", "9.0")) == "cudnn"
-    assert attention.for_saved_run(small_model(attention="cudnn"), FakeDevice("gpu", "9.0")) == "cudnn"
+    assert attention.for_saved_run(small_model(attention="splash", dtype="bfloat16"), FakeDevice("gpu", "9.0")) == "cudnn"
+    assert attention.for_saved_run(small_model(attention="cudnn", dtype="bfloat16"), FakeDevice("gpu", "9.0")) == "cudnn"
+    # A float32 run trained on a TPU, evaluated on an H100: cuDNN has no float32 kernel.
+    assert attention.for_saved_run(small_model(attention="splash", dtype="float32"), FakeDevice("gpu", "9.0")) == "xla"

@@ -114,6 +114,18 @@ def test_andrea120m_as_typed_fits_each_colab_gpu_by_itself(gpu):
         assert "MFU can be at most" in check.describe(steps, target)
 
 
+@needs_cuda_plugin
+def test_cudnn_is_left_for_float32_on_an_a100_and_refused_by_name():
+    # cuDNN's fused attention has no float32 kernel: "auto" takes XLA's attention instead ...
+    steps = tiny_step_for("a100_40gb", **{"model.dtype": "float32", "model.attention": "auto"})
+    assert steps.config.model.attention == "xla" and "__cudnn$fmha" not in steps.train.as_text()
+    assert "__cudnn$fmha" in tiny_step_for("a100_40gb", **{"model.attention": "auto"}).train.as_text()
+    # ... and a run that names it stops before compiling, in one line.
+    with pytest.raises(ConfigError, match=r"^model.attention='cudnn' computes in bfloat16 or float16, not "
+                                          r"model.dtype='float32'; use 'auto' or 'xla'$"):
+        tiny_step_for("a100_40gb", **{"model.dtype": "float32", "model.attention": "cudnn"})
+
+
 def tiny_step_for(devices_or_topology, **overrides):
     config = andrea120m.get_config()
     config.update_from_flattened_dict({"model.n_layer": 1, "model.d_model": 128, "model.n_head": 2,
