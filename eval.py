@@ -75,8 +75,9 @@ def _hellaswag_rows(restored, leader: bool):
     from andrea_jax.runtime.leader_first import leader_first
     source = _HELLASWAG_SOURCE.value or str(restored.config.hellaswag.source)
     problem = hellaswag_source_problem(source)
-    if problem:
-        raise DataError(f"{problem}; or pass --hellaswag_source")
+    if problem:  # the run's own source may be another machine's path: another can be passed
+        raise DataError(problem if _HELLASWAG_SOURCE.value else f"{problem} (the run's hellaswag.source); "
+                                                                 f"or pass --hellaswag_source")
     read = lambda: hellaswag.load(source, restored.config.data.tfds_data_dir)  # process 0 prepares TFDS's copy
     examples = leader_first(leader, read, read, "prepare the HellaSwag examples")
     return source, hellaswag.rows_of(examples, _HELLASWAG_EXAMPLES.value, restored.tokenizer)
@@ -97,8 +98,8 @@ def _evaluate() -> None:
     restored = evaluate.restore(workdir, flags.FLAGS.config or None, _STEP.value)
     batches = restored.config.eval_batches if _BATCHES.value is None else _BATCHES.value
     # As in training: the leader builds a missing validation cache, the others then read it.
-    find_split = lambda: evaluate.validation_split(restored.config, restored.tokenizer)
-    split = leader_first(leader, find_split, find_split, "build the validation token cache")
+    find_split = lambda build: evaluate.validation_split(restored.config, restored.tokenizer, build)
+    split = leader_first(leader, lambda: find_split(True), lambda: find_split(False), "build the validation token cache")
     # Read before anything is scored or written: a bad file stops here.
     source, rows = _hellaswag_rows(restored, leader) if _HELLASWAG.value else (None, None)
     report = evaluate.score(restored, split, batches)

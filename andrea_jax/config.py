@@ -76,6 +76,9 @@ def base_config() -> ml_collections.ConfigDict:
     # stream's first, which training skips).
     d.stream_tokens = 0
     d.stream_val_documents = 4000
+    # hf: a hub dataset's revision (a commit hash, tag or branch), so that a later run reads the same
+    # text; "" = the newest. Part of the token caches' key.
+    d.hf_revision = ""
     d.cache_dir = ""  # token caches and url: downloads; "" = ~/.cache/andrea_jax
     d.tfds_data_dir = ""  # "" = the TFDS default (~/tensorflow_datasets)
 

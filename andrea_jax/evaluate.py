@@ -27,6 +27,7 @@ from andrea_jax.tools import sampling
 from andrea_jax.config import ConfigError, validate
 from andrea_jax.data import batcher, pipeline
 from andrea_jax.data import tokenizer as tokenizers
+from andrea_jax.data.token_cache import TokenSplit
 
 
 class EvalError(UserError):
@@ -99,9 +100,10 @@ def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step:
     return Restored(state["params"], int(meta["step"]), config, tokenizer, mesh)
 
 
-def validation_split(config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer) -> token_cache.TokenSplit:
-    """The validation tokens of `config.data`, from the token cache (built if missing)."""
-    return pipeline.token_split(config, pipeline.open_splits(config), tokenizer, "val")
+def validation_split(config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer,
+                     build: bool = True) -> TokenSplit:
+    """The validation tokens of `config.data`, from the token cache (built if missing, with `build`)."""
+    return pipeline.token_split(config, pipeline.open_splits(config), tokenizer, "val", build)
 
 
 def scored_batches(step: Callable, params: Any, local_batch: Callable[[int], np.ndarray], batches: int,
@@ -127,7 +129,7 @@ def mean_loss(eval_step: Callable, params: Any, tokens: np.ndarray, windows: int
     return float(np.mean(np.concatenate(list(row_losses))[:windows], dtype=np.float64))
 
 
-def score(restored: Restored, split: token_cache.TokenSplit, batches: int) -> dict:
+def score(restored: Restored, split: TokenSplit, batches: int) -> dict:
     """Loss, perplexity and bits per byte over the first `batches` batches (0 = every window)."""
     config, mesh = restored.config, restored.mesh
     batch_size, seq_len = int(config.batch_size), int(config.seq_len)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 import signal
 import sys
 import time
@@ -30,6 +31,10 @@ from andrea_jax.config import validate
 from andrea_jax.data import batcher, pipeline
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.runtime.leader_first import leader_first
+
+
+# All a run writes before its first step: a new workdir holding no more has nothing to keep.
+_START_UP_FILES = {run_dir.CONFIG_FILE, run_dir.LOCK_FILE, pipeline.TOKENIZER_FILE, pipeline.RECORD_FILE}
 
 
 class TrainingStopped(UserError):
@@ -95,9 +100,18 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
     """Runs (or resumes) the run in `workdir` on `devices` (default: all); returns the latest logged figures.
 
     Process 0 holds the workdir's lock (`run_dir.hold`) from before anything is written until the end.
+    A workdir the run created and stopped in before its first step is removed again: the disk is left
+    as the run found it.
     """
-    with contextlib.ExitStack() as held:
-        return _train(config, workdir, devices, held)
+    created = not os.path.lexists(workdir)
+    try:
+        with contextlib.ExitStack() as held:
+            return _train(config, workdir, devices, held)
+    except BaseException:
+        unstarted = created and os.path.isdir(workdir) and set(os.listdir(workdir)) <= _START_UP_FILES
+        if unstarted and jax.process_index() == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None, held: contextlib.ExitStack) -> dict:

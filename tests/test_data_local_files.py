@@ -4,7 +4,7 @@ import sysconfig
 import pytest
 
 from andrea_jax.config import base_config
-from andrea_jax.data import DataError, local_files, sources
+from andrea_jax.data import DataError, local_files, pipeline
 
 
 def write(path, content: bytes | str):
@@ -119,7 +119,7 @@ def test_a_url_is_downloaded_once_into_the_cache(tmp_path, served):
     # As data.source: the downloaded file is the one document, split 90/10 by position.
     data = base_config().data
     data.update(dict(source=f"url:{base}/input.txt", cache_dir=cache, val_fraction=0.1))
-    splits = sources.open_source(data)
+    splits = pipeline.open_source(data)
     assert "".join(splits.train.read(0, 1) + splits.val.read(0, 1)) == open(path).read()
     assert splits.identity["source"] == f"url:{base}/input.txt" and asked == ["/input.txt"]
 

@@ -189,3 +189,15 @@ def test_shakespeare_char_matches_nanogpt_split(tmp_path):
     assert prepared.tokenizer.vocab_size == 66
     # nanoGPT: 1,003,854 train and 111,540 val characters; + end-of-text each.
     assert (prepared.train.num_tokens, prepared.val.num_tokens) == (1_003_855, 111_541)
+
+
+def test_a_process_reading_the_leaders_cache_never_builds_one(tmp_path):
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus', num_files=20)}")
+    splits, tokenizer = pipeline.open_splits(config), tokenizers.ByteTokenizer()
+    with pytest.raises(DataError, match=r"^the val token cache in .* is unusable \(missing\); put data.cache_dir "
+                                        r"on a filesystem all processes share$"):
+        pipeline.token_split(config, splits, tokenizer, "val", build=False)
+    assert not os.path.exists(tmp_path / "cache" / "tokens")
+    built = pipeline.token_split(config, splits, tokenizer, "val")
+    read = pipeline.token_split(config, splits, tokenizer, "val", build=False)
+    assert read.path == built.path and read.num_tokens == built.num_tokens > 0

@@ -5,7 +5,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from andrea_jax.config import base_config
-from andrea_jax.data import DataError, sources
+from andrea_jax.data import DataError, pipeline, sources
 
 TRAIN_DOCS = [f"train document {i}" for i in range(120)]
 VAL_DOCS = ["validation one", "validation two"]
@@ -86,7 +86,7 @@ def test_unknown_tfds_name_and_bad_source_string(tmp_path):
     with pytest.raises(DataError, match="TFDS has no dataset 'no_such_dataset_xyz'"):
         sources.open_tfds("no_such_dataset_xyz", data_config(tmp_path))
     with pytest.raises(DataError, match="is not 'tfds:NAME"):
-        sources.open_source(data_config(tmp_path, source="hub:thing"))
+        pipeline.open_source(data_config(tmp_path, source="hub:thing"))
 
 
 def test_streamed_documents_read_in_order_and_start_again_for_an_earlier_read():
@@ -102,7 +102,6 @@ def test_streamed_documents_read_in_order_and_start_again_for_an_earlier_read():
     assert opened == [0]
     assert documents.read(1, 2) == ["t1"] and opened == [0, 1]
     assert documents.read(6, 20) == ["t6", "t7"]  # reads on to the start, stops at the limit
-    assert documents.furthest == 8
     unbounded = sources.StreamedDocuments(lambda: iter(["a", "b"]))
     assert unbounded.read(0, 5) == ["a", "b"] and unbounded.read(2, 4) == []  # a short read: the end
 
@@ -113,7 +112,7 @@ def test_local_directory_splits_by_document(tmp_path):
     for i in range(40):
         (corpus / f"doc{i:02d}.txt").write_text(f"text of document {i}\n")
     data = data_config(tmp_path, source=f"text:{corpus}", val_fraction=0.25)
-    splits = sources.open_source(data)
+    splits = pipeline.open_source(data)
     assert len(splits.train) == 30 and len(splits.val) == 10
     assert read_all(splits.val) == [f"text of document {i}\n" for i in range(3, 40, 4)]
     assert splits.identity["source"] == f"text:{corpus}" and splits.identity["num_files"] == 40
@@ -123,7 +122,7 @@ def test_single_file_holds_out_the_last_fraction_of_its_text(tmp_path):
     text = "".join(f"line {i} é\n" for i in range(1000))
     (tmp_path / "one.txt").write_text(text)
     data = data_config(tmp_path, source=f"text:{tmp_path / 'one.txt'}", val_fraction=0.1)
-    splits = sources.open_source(data)
+    splits = pipeline.open_source(data)
     cut = int(len(text) * 0.9)  # nanoGPT's split of shakespeare_char
     assert read_all(splits.train) == [text[:cut]]
     assert read_all(splits.val) == [text[cut:]]
@@ -140,7 +139,7 @@ def test_few_documents_split_by_text_across_document_boundaries():
 def test_undecodable_bytes_read_as_replacement_characters(tmp_path):
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\r\n" * 50)
     data = data_config(tmp_path, source=f"text:{tmp_path / 'latin1.txt'}", val_fraction=0.1)
-    splits = sources.open_source(data)
+    splits = pipeline.open_source(data)
     assert "".join(read_all(splits.train) + read_all(splits.val)) == "caf\ufffd\r\n" * 50
 
 

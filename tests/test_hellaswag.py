@@ -346,7 +346,10 @@ def test_eval_py_with_a_bad_hellaswag_file_fails_with_one_line_and_writes_nothin
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ctx": "a", "endings": ["b"], "label": 0}\n')
     broken = run_eval("--workdir", run["workdir"], "--hellaswag", f"--hellaswag_source={bad}")
-    for result, message in [(missing, "no.jsonl' does not exist; pass the path of HellaSwag's JSONL"),
+    # The path given is named, and the flag it came from not asked for again.
+    assert "or pass --hellaswag_source" not in missing.stderr
+    for result, message in [(missing, f"HellaSwag file '{tmp_path / 'no.jsonl'}' does not exist; pass the path of "
+                                      f"HellaSwag's JSONL (hellaswag_val.jsonl) or 'tfds:hellaswag'"),
                             (broken, "bad.jsonl line 1 has no list of 4 texts in endings")]:
         assert result.returncode == 2
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -60,6 +60,14 @@ def test_training_takes_the_tokens_asked_for_and_reads_no_further(tmp_path):
     corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
     splits = pipeline.open_splits(make_config(tmp_path, f"hf:{corpus}"))
     assert splits.train_tokens == 1452  # 1.1 × 1320
+    given, open_texts = [], splits.train.open_texts
+
+    def counted(texts):
+        for text in texts:
+            given.append(text)
+            yield text
+
+    splits.train.open_texts = lambda: counted(open_texts())
     train = token_cache.build(splits.train, ByteTokenizer(), str(tmp_path / "c"), "train", splits.identity,
                               progress=False, max_tokens=splits.train_tokens)
     # Training starts after the 20 held-out documents and stops at exactly 1452 tokens,
@@ -71,7 +79,7 @@ def test_training_takes_the_tokens_asked_for_and_reads_no_further(tmp_path):
     cut = 1452 - int(ends[needed - 2])
     assert train.num_bytes == int(ends[needed - 2]) - (needed - 1) + cut  # the cut document counts its kept bytes
     # Of 1980 training documents the stream gave up only those (and a read-ahead of a few).
-    assert needed <= splits.train.furthest <= needed + 4
+    assert needed <= len(given) <= needed + 4
 
 
 def test_held_out_validation_is_the_stream_start_and_never_reaches_training(tmp_path):
@@ -120,6 +128,65 @@ def test_a_second_prepare_reuses_the_cache_without_reading_the_stream(tmp_path, 
     fewer = pipeline.prepare(config, workdir)
     assert os.path.dirname(fewer.train.path) != os.path.dirname(first.train.path)
     np.testing.assert_array_equal(fewer.train.tokens, first.train.tokens[:1000])
+    assert fewer.val.path == first.val.path  # validation holds the same documents: its key has no budget
+
+
+def test_a_resume_with_more_steps_and_an_eval_at_another_length_keep_the_validation_cache(tmp_path, monkeypatch):
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
+    config, workdir = make_config(tmp_path, f"hf:{corpus}"), str(tmp_path / "run")
+    first = pipeline.prepare(config, workdir)
+    built = os.path.getmtime(first.val.path)
+    config.steps = 20  # a resume that trains on needs more training text, and only that
+    longer = pipeline.prepare(config, workdir)
+    assert longer.train.num_tokens == 2 * first.train.num_tokens == 2904  # 1.1 × 20 × 4 × 33
+    assert longer.val.path == first.val.path and os.path.getmtime(longer.val.path) == built
+    monkeypatch.setattr(hf_stream, "_load", lambda *args: pytest.fail("the dataset was opened again"))
+    config.steps, config.seq_len = 30, 16  # eval.py --config.seq_len=16 on a run of other steps
+    assert evaluate.validation_split(config, first.tokenizer).path == first.val.path
+
+
+def no_data_left(tmp_path):
+    return (not os.path.exists(tmp_path / "run" / "tokenizer.json")
+            and glob.glob(str(tmp_path / "cache" / "**" / "*.bin*"), recursive=True) == [])
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
+def test_a_text_column_that_is_not_text_stops_before_anything_is_written(tmp_path, tokenizer):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with open(corpus / "train.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": [f"line {i}", "", "more"]}) + "\n" for i in range(100))
+    with pytest.raises(DataError, match=r"^Hugging Face dataset .*corpus field 'text' holds list values, not "
+                                        r"text; set data.text_field to a column of strings$"):
+        pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", tokenizer=tokenizer), str(tmp_path / "run"))
+    assert no_data_left(tmp_path)
+    # None stays an empty document, which adds nothing.
+    write_jsonl(corpus / "train.jsonl", DOCS[:5] + [None] * 5 + DOCS[5:200])
+    prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", stream_val_documents=5), str(tmp_path / "ok"))
+    assert prepared.train.tokens[:len(DOCS[5]) + 1].tolist() == byte_tokens(DOCS[5:6])
+
+
+@pytest.mark.parametrize("tokenizer, message", [
+    ("bpe", "has no text to train the tokenizer on; add text, or hold out less of it for validation "
+            r"\(data.stream_val_documents\)"),
+    ("byte", r"the train split has no text \(0 tokens\); add text to the source, or hold out less of it .*"
+             "data.stream_val_documents for hf:"),
+])
+def test_a_stream_that_validation_uses_up_leaves_no_tokenizer_behind(tmp_path, tokenizer, message):
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS[:15])  # fewer than the 20 held out
+    with pytest.raises(DataError, match=message):
+        pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", tokenizer=tokenizer), str(tmp_path / "run"))
+    assert no_data_left(tmp_path)
+
+
+def test_a_hub_revision_is_passed_and_keys_the_caches(tmp_path):
+    assert hf_stream.load_arguments("HuggingFaceFW/fineweb-edu/sample-10BT", "v1.2.0") == {
+        "path": "HuggingFaceFW/fineweb-edu", "name": "sample-10BT", "revision": "v1.2.0"}
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS[:100])
+    with pytest.raises(DataError, match="data.hf_revision='main' pins a hub dataset, .* leave data.hf_revision empty"):
+        pipeline.open_splits(make_config(tmp_path, f"hf:{corpus}", hf_revision="main"))
+    identity = lambda revision: pipeline.open_splits(make_config(tmp_path, FINEWEB, hf_revision=revision)).identity
+    assert identity("v1.2.0")["dataset"]["revision"] == "v1.2.0" and "revision" not in identity("")["dataset"]
 
 
 def test_the_text_field_is_configurable_on_parquet(tmp_path):

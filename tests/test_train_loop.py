@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -141,7 +142,23 @@ def test_train_py_rejects_bad_configs_with_one_line(tmp_path, override, message)
     assert result.returncode == 2
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and message in error_lines[0], result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "w")
+
+
+def test_a_new_run_that_stops_before_its_first_step_leaves_no_workdir(tmp_path):
+    from andrea_jax.data import DataError
+    with socket.socket() as unused:  # bound, never listening: the download is refused
+        unused.bind(("127.0.0.1", 0))
+        config = loop_config(tmp_path, **{"data.source": f"url:http://127.0.0.1:{unused.getsockname()[1]}/a.txt"})
+        with pytest.raises(DataError, match="cannot download"):
+            train_loop.train(config, str(tmp_path / "new"), devices=jax.devices()[:1])
+    assert not os.path.exists(tmp_path / "new")
+    # A run that took steps keeps its workdir whatever stops it later.
+    workdir = str(tmp_path / "kept")
+    train_loop.train(loop_config(tmp_path, steps=2, checkpoint_every=2), workdir, devices=jax.devices()[:1])
+    with pytest.raises(DataError, match="cannot download"):
+        train_loop.train(config, workdir, devices=jax.devices()[:1])
+    assert {"checkpoints", "config.json", "metrics.jsonl"} <= set(os.listdir(workdir))
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -2,8 +2,9 @@
 
 The dataset's files are read in order and only as far as the run tokenizes, so a run
 downloads about what it uses. Training takes `data.stream_tokens` tokens, 0 meaning
-STREAM_MARGIN × the steps × batch_size × (seq_len + 1) tokens its steps read; the token
-cache stops there, and the amount is part of its key. Validation is the first
+STREAM_MARGIN × the steps × batch_size × (seq_len + 1) tokens its steps read; the training
+token cache stops there, and the amount is part of its key (not of validation's, so that a
+resume with more steps or an evaluation at another seq_len finds validation's cache). Validation is the first
 `data.stream_val_documents` documents of the dataset's `data.val_split` when it has one,
 else the first documents of the training split, which training then skips: no document is
 in both. The BPE sample is the first `data.tokenizer_train_bytes` of the training text.
@@ -31,16 +32,20 @@ from andrea_jax.data import DataError, local_files, sources
 STREAM_MARGIN = fractions.Fraction(11, 10)
 
 
-def load_arguments(name: str) -> dict:
-    """`load_dataset` arguments for `hf:NAME`: a local directory, or a hub OWNER/NAME[/CONFIG]."""
+def load_arguments(name: str, revision: str = "") -> dict:
+    """`load_dataset` arguments for `hf:NAME`: a local directory, or a hub OWNER/NAME[/CONFIG] at `revision`."""
     path = os.path.abspath(os.path.expanduser(name))
     if os.path.isdir(path):
+        if revision:
+            raise DataError(f"data.hf_revision={revision!r} pins a hub dataset, and data.source='hf:{name}' is "
+                            f"a local directory; leave data.hf_revision empty")
         return {"path": path}
     parts = name.split("/")
     if name.startswith(("/", ".", "~")) or len(parts) not in (2, 3) or not all(parts):
         raise DataError(f"data.source='hf:{name}' is neither a directory nor hf:OWNER/NAME[/CONFIG] "
                         f"(such as hf:HuggingFaceFW/fineweb-edu/sample-10BT)")
-    return {"path": "/".join(parts[:2]), **({"name": parts[2]} if len(parts) == 3 else {})}
+    return {"path": "/".join(parts[:2]), **({"name": parts[2]} if len(parts) == 3 else {}),
+            **({"revision": revision} if revision else {})}
 
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:
@@ -72,12 +77,13 @@ def _load(arguments: dict, described: str, from_hub: bool):
 def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> sources.Splits:
     """Train and validation documents of `hf:NAME`, opened at the first read (a hub dataset only
     once the hub answers)."""
-    arguments = load_arguments(name)
+    arguments = load_arguments(name, str(data.hf_revision))
     local = os.path.isdir(arguments["path"])
     field, train_split, val_split = str(data.text_field), str(data.train_split), str(data.val_split)
     val_documents, stream_tokens = int(data.stream_val_documents), int(data.stream_tokens)
     train_tokens = stream_tokens or math.ceil(STREAM_MARGIN * steps_tokens)
-    described = f"Hugging Face dataset {'/'.join(str(a) for a in arguments.values())}"
+    described = "Hugging Face dataset " + "/".join(str(arguments[key]) for key in ("path", "name") if key in arguments)
+    described += f" at revision {arguments['revision']}" if "revision" in arguments else ""
     dataset = functools.cache(lambda: _load(arguments, described, not local))
 
     def texts(val: bool) -> Iterator[str]:
@@ -94,12 +100,15 @@ def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> so
             if field not in record:
                 raise DataError(f"{described} has no field {field!r}; set data.text_field to one of "
                                 f"{sorted(record)}")
-            yield "" if record[field] is None else str(record[field])
+            text = record[field]
+            if text is not None and not isinstance(text, str):  # str() of a list would train on its repr
+                raise DataError(f"{described} field {field!r} holds {type(text).__name__} values, not text; "
+                                f"set data.text_field to a column of strings")
+            yield text or ""
 
     identity = {"dataset": arguments, "field": field, "train_split": train_split,
                 "val_rule": f"the first {val_documents} documents of split {val_split!r} if the dataset "
-                            f"has it, else of {train_split!r}, which training skips",
-                "train_tokens": train_tokens}
+                            f"has it, else of {train_split!r}, which training skips"}
     if local:  # local files: their names, sizes and times are part of the key
         files = local_files.walk(arguments["path"], lambda name: not name.startswith("."))
         identity["files"] = local_files.fingerprint(arguments["path"], files)

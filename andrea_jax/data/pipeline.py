@@ -17,14 +17,14 @@ from typing import Iterator
 import ml_collections
 
 from andrea_jax.runtime import atomic
-from andrea_jax.data import DataError, batcher, sources, token_cache
+from andrea_jax.data import DataError, batcher, hf_stream, local_files, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.sources import Documents
 from andrea_jax.data.token_cache import TokenSplit
 from andrea_jax.data.tokenizer import Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
-RECORD_FILE = "data.json"  # where the leader put the caches, for the other processes
+RECORD_FILE = "data.json"  # where the leader put each split's cache, for the other processes
 _SAMPLE_CHUNKS = 64  # the BPE sample is spread over this many stretches of the split
 _READ_DOCUMENTS = 256
 
@@ -36,10 +36,34 @@ class Prepared:
     val: TokenSplit
 
 
+def open_source(data: ml_collections.ConfigDict, steps_tokens: int = 0) -> sources.Splits:
+    """The documents `data.source` names; `steps_tokens` (the tokens the run's steps read) sizes a stream."""
+    source = str(data.source)
+    kind, colon, spec = source.partition(":")
+    kind += colon  # "tfds:", "hf:", "text:", "url:" or "stdlib"
+    if kind == "stdlib":
+        splits = sources.open_local(*local_files.list_stdlib_files(), data)
+    elif kind in ("text:", "url:"):
+        path = local_files.download(spec, sources.cache_dir_of(data)) if kind == "url:" else spec
+        splits = sources.open_local(*local_files.list_text_files(path), data)
+    elif kind == "tfds:":
+        splits = sources.open_tfds(spec, data)
+    elif kind == "hf:":
+        splits = hf_stream.open_hf(spec, data, steps_tokens)
+    else:
+        raise DataError(f"data.source={source!r} is not 'tfds:NAME[/CONFIG]', "
+                        f"'hf:OWNER/NAME[/CONFIG]', 'text:PATH_OR_GLOB', 'url:URL' or 'stdlib'")
+    for name, documents in (("train", splits.train), ("validation", splits.val)):
+        if len(documents) == 0:  # before a tokenizer is trained on nothing and saved
+            raise DataError(f"data.source={source!r} gives an empty {name} split; add text or change "
+                            f"data.val_fraction")
+    return dataclasses.replace(splits, identity={"source": source, **splits.identity})
+
+
 def open_splits(config: ml_collections.ConfigDict) -> sources.Splits:
     """The documents of `config.data`; a stream sized by the tokens the run's steps read."""
     steps_tokens = int(config.steps) * int(config.batch_size) * (int(config.seq_len) + 1)
-    return sources.open_source(config.data, steps_tokens)
+    return open_source(config.data, steps_tokens)
 
 
 def _texts(documents: Documents, start: int = 0, stop: int = sys.maxsize) -> Iterator[str]:
@@ -83,15 +107,20 @@ def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Token
         max_bytes = int(config.data.tokenizer_train_bytes)
         print(f"training the BPE tokenizer ({merges} merges) on up to {max_bytes / 1e6:g} MB of the training split",
               flush=True)
-        return tokenizers.train_bpe(training_sample(train, max_bytes), merges)
+        sample = training_sample(train, max_bytes)
+        if not any(sample):
+            held_out = "data.stream_val_documents" if isinstance(train, sources.StreamedDocuments) else "data.val_fraction"
+            raise DataError(f"the training split of data.source={config.data.source!r} has no text to train the "
+                            f"tokenizer on; add text, or hold out less of it for validation ({held_out})")
+        return tokenizers.train_bpe(sample, merges)
     if not os.path.isfile(kind):
         raise DataError(f"data.tokenizer={kind!r} is not 'bpe', 'byte', 'char' or an existing "
                         f"tokenizer.json file")
     return tokenizers.load(kind)
 
 
-def tokenizer_for_run(config: ml_collections.ConfigDict, workdir: str, train: Documents) -> Tokenizer:
-    """The workdir's tokenizer.json if it has one (never retrained), else a new one saved there."""
+def tokenizer_for_run(config: ml_collections.ConfigDict, workdir: str, train: Documents) -> tuple[Tokenizer, bool]:
+    """(the workdir's tokenizer.json if it has one (never retrained), else a new one; whether it is new)."""
     path, requested = os.path.join(workdir, TOKENIZER_FILE), str(config.data.tokenizer)
     resumed = os.path.exists(path)
     tokenizer = tokenizers.load(path) if resumed else _new_tokenizer(config, train)
@@ -107,23 +136,35 @@ def tokenizer_for_run(config: ml_collections.ConfigDict, workdir: str, train: Do
         described = path if resumed else f"the new {tokenizer.kind} tokenizer"
         raise DataError(f"{described} has {tokenizer.vocab_size} entries but model.vocab_size={wanted}; "
                         f"set model.vocab_size={tokenizer.vocab_size} (or 0 to take the tokenizer's size)")
-    if not resumed:
-        tokenizer.save(path)
-    return tokenizer
+    return tokenizer, not resumed
 
 
 def token_split(config: ml_collections.ConfigDict, splits: sources.Splits, tokenizer: Tokenizer,
-                split: str) -> TokenSplit:
-    """The token cache of `split` ("train" or "val"), built if missing, where the source and tokenizer key it."""
-    directory = token_cache.cache_directory(sources.cache_dir_of(config.data), splits.identity, tokenizer.sha256)
-    return token_cache.load_or_build(getattr(splits, split), tokenizer, directory, split, splits.identity,
-                                     max_tokens=splits.train_tokens if split == "train" else 0)
+                split: str, build: bool = True) -> TokenSplit:
+    """The token cache of `split` ("train" or "val"), keyed by what it holds: the source, the tokenizer
+    and, for a stream's training split, its token budget. Built if missing; without `build` (a process
+    reading what the leading one built) a missing cache is a DataError."""
+    max_tokens = splits.train_tokens if split == "train" else 0
+    identity = {**splits.identity, "train_tokens": max_tokens} if max_tokens else splits.identity
+    directory = token_cache.cache_directory(sources.cache_dir_of(config.data), identity, tokenizer.sha256)
+    if not build:
+        return _built_by_the_leader(directory, split)
+    return token_cache.load_or_build(getattr(splits, split), tokenizer, directory, split, identity,
+                                     max_tokens=max_tokens)
+
+
+def _built_by_the_leader(directory: str, split: str) -> TokenSplit:
+    cached, problem = token_cache.load(directory, split)
+    if cached is None:
+        raise DataError(f"the {split} token cache in {directory} is unusable ({problem or 'missing'}); "
+                        f"put data.cache_dir on a filesystem all processes share")
+    return cached
 
 
 def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
     os.makedirs(workdir, exist_ok=True)
     splits = open_splits(config)
-    tokenizer = tokenizer_for_run(config, workdir, splits.train)
+    tokenizer, new_tokenizer = tokenizer_for_run(config, workdir, splits.train)
     train, val = (token_split(config, splits, tokenizer, split) for split in ("train", "val"))
     seq_len, batch_size = int(config.seq_len), int(config.batch_size)
     if train.num_tokens < seq_len + 1:
@@ -134,8 +175,10 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepa
             f"the validation split has {val.num_tokens} tokens, less than one batch of "
             f"batch_size x seq_len = {batch_size * seq_len} (+1); raise data.val_fraction "
             f"(data.stream_val_documents for hf:), add text, or lower batch_size or seq_len")
-    record = {"cache_directory": os.path.dirname(train.path), "tokenizer_sha256": tokenizer.sha256,
-              "source": splits.identity}
+    if new_tokenizer:  # saved once the data is known to train on: a refused run leaves none to reuse
+        tokenizer.save(os.path.join(workdir, TOKENIZER_FILE))
+    record = {"cache_directories": {"train": os.path.dirname(train.path), "val": os.path.dirname(val.path)},
+              "tokenizer_sha256": tokenizer.sha256, "source": splits.identity}
     atomic.write(os.path.join(workdir, RECORD_FILE), json.dumps(record, indent=1))
     return Prepared(tokenizer, train, val)
 
@@ -149,16 +192,9 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = T
     record_path = os.path.join(workdir, RECORD_FILE)
     try:
         with open(record_path, encoding="utf-8") as f:
-            directory = json.load(f)["cache_directory"]
+            directories = json.load(f)["cache_directories"]
     except (OSError, ValueError, KeyError) as error:
         raise DataError(f"cannot read {record_path} ({error}); the leading process must prepare "
                         f"the data first, in a workdir all processes share") from None
     tokenizer = tokenizers.load(os.path.join(workdir, TOKENIZER_FILE))  # the leader checked it against the config
-    loaded = []
-    for split in ("train", "val"):
-        cached, problem = token_cache.load(directory, split)
-        if cached is None:
-            raise DataError(f"the {split} token cache in {directory} is unusable ({problem or 'missing'}); "
-                            f"put data.cache_dir on a filesystem all processes share")
-        loaded.append(cached)
-    return Prepared(tokenizer, *loaded)
+    return Prepared(tokenizer, *(_built_by_the_leader(directories[split], split) for split in ("train", "val")))

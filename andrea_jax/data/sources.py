@@ -72,7 +72,6 @@ class StreamedDocuments:
         self.open_texts, self.limit = open_texts, limit
         self._texts: Iterator[str] | None = None
         self._position = 0
-        self.furthest = 0  # documents read from the start, by the pass that went furthest
 
     def __len__(self) -> int:
         return self.limit
@@ -83,7 +82,6 @@ class StreamedDocuments:
         skip, count = start - self._position, max(0, min(stop, self.limit) - start)
         texts = list(itertools.islice(self._texts, skip, skip + count))
         self._position += skip + len(texts)
-        self.furthest = max(self.furthest, self._position)
         return texts
 
 
@@ -214,29 +212,3 @@ def open_local(root: str, files: Sequence[str], data: ml_collections.ConfigDict)
                                 float(data.val_fraction))
     return Splits(train, val, {"files": local_files.fingerprint(root, files), "num_files": len(files),
                                "val_rule": rule})
-
-
-def open_source(data: ml_collections.ConfigDict, steps_tokens: int = 0) -> Splits:
-    """The documents `data.source` names; `steps_tokens` (the tokens the run's steps read) sizes a stream."""
-    source = str(data.source)
-    kind, colon, spec = source.partition(":")
-    kind += colon  # "tfds:", "hf:", "text:", "url:" or "stdlib"
-    if kind == "stdlib":
-        splits = open_local(*local_files.list_stdlib_files(), data)
-    elif kind in ("text:", "url:"):
-        path = local_files.download(spec, cache_dir_of(data)) if kind == "url:" else spec
-        splits = open_local(*local_files.list_text_files(path), data)
-    elif kind == "tfds:":
-        splits = open_tfds(spec, data)
-    elif kind == "hf:":
-        from andrea_jax.data import hf_stream  # it builds on this module
-
-        splits = hf_stream.open_hf(spec, data, steps_tokens)
-    else:
-        raise DataError(f"data.source={source!r} is not 'tfds:NAME[/CONFIG]', "
-                        f"'hf:OWNER/NAME[/CONFIG]', 'text:PATH_OR_GLOB', 'url:URL' or 'stdlib'")
-    for name, documents in (("train", splits.train), ("validation", splits.val)):
-        if len(documents) == 0:  # before a tokenizer is trained on nothing and saved
-            raise DataError(f"data.source={source!r} gives an empty {name} split; add text or change "
-                            f"data.val_fraction")
-    return dataclasses.replace(splits, identity={"source": source, **splits.identity})

@@ -167,8 +167,9 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
             out.flush()
             os.fsync(out.fileno())
         if num_tokens == 0:
-            raise DataError(f"the {split} split has no text (0 tokens); add text to the source "
-                            f"or change data.val_fraction")
+            raise DataError(f"the {split} split has no text (0 tokens); add text to the source, or hold out "
+                            f"{'less' if split == 'train' else 'more'} of it for validation (data.val_fraction; "
+                            f"data.stream_val_documents for hf:)")
     except BaseException:  # a failed build leaves nothing behind
         with contextlib.suppress(FileNotFoundError):  # `open` itself may have failed
             os.remove(temporary)
