@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import shutil
 import signal
@@ -238,8 +239,9 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
     def val_loss(done: int, state: dict) -> dict:
         loss = evaluate.mean_loss(steps.eval, state["params"], prepared.val.tokens, val_windows, config,
                                   batch_sharding)
-        progress.write(f"step {done}: val_loss {loss:.4f}")
-        return {"val_loss": loss}
+        bits_per_byte = loss * prepared.val.num_tokens / (prepared.val.num_bytes * math.log(2))
+        progress.write(f"step {done}: val_loss {loss:.4f} ({bits_per_byte:.3f} bits per byte)")
+        return {"val_loss": loss, "val_bits_per_byte": bits_per_byte}
 
     def hellaswag_scores(done: int, state: dict) -> dict:
         scored = hellaswag.score(hellaswag_step, state["params"], hellaswag_rows, config, batch_sharding)

@@ -62,6 +62,11 @@ def test_metrics_records_and_falling_loss(tmp_path):
                 "diag/mlp_delta_ratio/block_0", "diag/stream_norm/depth_2"} <= r.keys()
         assert all(r[k] > 0 for k in r if k.startswith("diag/grad_norm"))
     assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
+    data = json.load(open(os.path.join(workdir, "data.json")))
+    val = json.load(open(os.path.join(data["cache_directories"]["val"], "val.json")))
+    for r in (r for r in records if "val_loss" in r):  # bits per byte over the split's measured bytes
+        assert r["val_bits_per_byte"] == pytest.approx(
+            r["val_loss"] * val["num_tokens"] / (val["num_bytes"] * np.log(2)), rel=1e-12)
     assert train_records[-1]["loss"] < train_records[0]["loss"] - 0.5
     assert last["val_loss"] == records[-1]["val_loss"]
     # Logged at step 4: the rate of the 4th update (index 3), one step into the 10-step cosine.
