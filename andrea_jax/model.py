@@ -110,8 +110,49 @@ def activate(function, *inputs: jax.Array) -> jax.Array:
     return jax.checkpoint(as_float32)(*inputs)
 
 
+def layer_norm(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float, dtype) -> jax.Array:
+    """scale * (x - mean) / sqrt(var + epsilon) + bias in `dtype`, statistics in float32 (autodiff's backward)."""
+    x = x_BxLxD.astype(jnp.float32)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return ((x - mean) * jax.lax.rsqrt(var + epsilon) * scale + bias).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fused_layer_norm(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float, dtype) -> jax.Array:
+    """`layer_norm` with a written-out backward: each row's two reductions in one pass over it, its
+    gradient in one more. XLA's GPU fusions of autodiff's backward re-read the float32 rows several
+    times; on GPUs the norms were a quarter of a step's bytes (bench/RESULTS.md)."""
+    return layer_norm(x_BxLxD, scale, bias, epsilon, dtype)
+
+
+def _layer_norm_fwd(x_BxLxD, scale, bias, epsilon, dtype):
+    x = x_BxLxD.astype(jnp.float32)
+    mean_BxLx1 = x.mean(-1, keepdims=True)
+    rstd_BxLx1 = jax.lax.rsqrt(jnp.square(x - mean_BxLx1).mean(-1, keepdims=True) + epsilon)
+    y = ((x - mean_BxLx1) * rstd_BxLx1 * scale + bias).astype(dtype)
+    return y, (x_BxLxD, mean_BxLx1, rstd_BxLx1, scale)
+
+
+def _layer_norm_bwd(epsilon, dtype, residuals, dy_BxLxD):
+    x_BxLxD, mean_BxLx1, rstd_BxLx1, scale = residuals
+    normed = (x_BxLxD.astype(jnp.float32) - mean_BxLx1) * rstd_BxLx1
+    dy = dy_BxLxD.astype(jnp.float32)
+    d_normed = dy * scale
+    rows = tuple(range(dy.ndim - 1))
+    # dx = rstd · (d_normed - mean(d_normed) - normed · mean(d_normed · normed)), per row.
+    d_mean = d_normed.mean(-1, keepdims=True)
+    d_normed_dot = (d_normed * normed).mean(-1, keepdims=True)
+    dx = (rstd_BxLx1 * (d_normed - d_mean - normed * d_normed_dot)).astype(x_BxLxD.dtype)
+    return dx, (dy * normed).sum(rows), dy.sum(rows)
+
+
+fused_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
 class LayerNorm(nn.Module):
-    """gamma * (x - mean) / sqrt(var + eps) + beta, statistics in float32."""
+    """gamma * (x - mean) / sqrt(var + eps) + beta, statistics in float32; on GPUs with the written-out
+    backward (`fused_layer_norm`)."""
     epsilon: float
     dtype: Any
 
@@ -120,11 +161,8 @@ class LayerNorm(nn.Module):
         d_model = x_BxLxD.shape[-1]
         scale = _param(self, "scale", ones, norm=d_model)
         bias = _param(self, "bias", zeros, norm=d_model)
-        x = x_BxLxD.astype(jnp.float32)
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + self.epsilon) * scale + bias
-        return y.astype(self.dtype)
+        norm = fused_layer_norm if sharding.program_platform() == "gpu" else layer_norm
+        return norm(x_BxLxD, scale, bias, self.epsilon, self.dtype)
 
 
 def _attention_probs(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, causal_LxS: jax.Array) -> jax.Array:

@@ -254,6 +254,47 @@ def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16():
         assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
 
 
+def test_layer_norm_backward_is_autodiffs_in_float32_and_close_in_bfloat16():
+    keys = jax.random.split(jax.random.key(9), 4)
+    x = 3.0 * jax.random.normal(keys[0], (2, 5, 48)) + 1.5  # rows away from mean 0 and variance 1
+    scale, bias = 1 + 0.3 * jax.random.normal(keys[1], (48,)), 0.2 * jax.random.normal(keys[2], (48,))
+    g = jax.random.normal(keys[3], (2, 5, 48))
+    autodiff = lambda dtype: jax.vjp(lambda *a: model.layer_norm(*a, 1e-5, dtype), x, scale, bias)
+    ours = lambda dtype: jax.vjp(lambda *a: model.fused_layer_norm(*a, 1e-5, dtype), x, scale, bias)
+    (out, vjp), (ref_out, ref_vjp) = ours(jnp.float32), autodiff(jnp.float32)
+    np.testing.assert_array_equal(out, ref_out)  # one forward
+    reference = ref_vjp(g)
+    for got, want in zip(vjp(g), reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    out16, vjp16 = ours(jnp.bfloat16)
+    assert out16.dtype == jnp.bfloat16
+    for got, want in zip(vjp16(g.astype(jnp.bfloat16)), autodiff(jnp.bfloat16)[1](g.astype(jnp.bfloat16))):
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # A bf16 input stream gets a bf16 gradient, as autodiff gives it.
+    dx16 = jax.vjp(lambda x: model.fused_layer_norm(x, scale, bias, 1e-5, jnp.bfloat16), x.astype(jnp.bfloat16))[1]
+    assert dx16(g.astype(jnp.bfloat16))[0].dtype == jnp.bfloat16
+
+
+def test_gpu_programs_take_the_written_out_layer_norm_backward_and_others_autodiffs(monkeypatch):
+    m = small_model()
+    params = init(m, scale=4.0)
+    ids = np.random.default_rng(3).integers(0, m.vocab_size, (2, 16))
+    loss = lambda p: forward(m, p, ids).mean()
+    expected, expected_grads = jax.value_and_grad(loss)(params)
+    called = []
+    monkeypatch.setattr(model, "fused_layer_norm", lambda *a: called.append(1) or model.layer_norm(*a))
+    jax.value_and_grad(loss)(params)
+    assert called == []  # a CPU program is autodiff's
+    monkeypatch.undo()
+    monkeypatch.setattr(model.sharding, "program_platform", lambda: "gpu")
+    monkeypatch.setattr(model, "QUERY_BLOCK", 16)  # the GPU program's blocks, at this length one
+    got, grads = jax.value_and_grad(loss)(params)
+    np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
+                 grads, expected_grads)
+
+
 def test_bfloat16_compute_keeps_float32_params_and_logits():
     m = small_model(dtype="bfloat16")
     params = init(m)
