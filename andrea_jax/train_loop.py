@@ -109,8 +109,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
         with contextlib.ExitStack() as held:
             return _train(config, workdir, devices, held)
     except BaseException:
-        unstarted = created and os.path.isdir(workdir) and set(os.listdir(workdir)) <= _START_UP_FILES
-        if unstarted and jax.process_index() == 0:
+        # Process 0 alone looks: the others may find the directory gone under them.
+        if created and jax.process_index() == 0 and os.path.isdir(workdir) \
+                and set(os.listdir(workdir)) <= _START_UP_FILES:
             shutil.rmtree(workdir, ignore_errors=True)
         raise
 
