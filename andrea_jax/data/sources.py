@@ -1,4 +1,4 @@
-"""`data.source` -> train and validation documents.
+"""`data.source` -> train and validation documents (`pipeline.open_source` picks the kind).
 
 `tfds:NAME[/CONFIG]` opens a registered dataset (downloaded and prepared on
 first use); `hf:OWNER/NAME[/CONFIG]` streams a Hugging Face dataset, as much as
