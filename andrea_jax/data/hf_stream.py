@@ -5,9 +5,9 @@ downloads about what it uses. Training takes `data.stream_tokens` tokens, 0 mean
 STREAM_MARGIN × the steps × batch_size × (seq_len + 1) tokens its steps read; the training
 token cache stops there, and the amount is part of its key (not of validation's, so that a
 resume with more steps or an evaluation at another seq_len finds validation's cache).
-Validation is the first `data.stream_val_documents` documents of the dataset's `data.val_split` when it has one,
-else the first documents of the training split, which training then skips: no document is
-in both. The BPE sample is the first `data.tokenizer_train_bytes` of the training text.
+Validation is the first `data.stream_val_documents` documents of the dataset's
+`data.val_split` when it has one, else the first documents of the training split, which
+training then skips: no document is in both. The BPE sample is the first `data.tokenizer_train_bytes` of the training text.
 Nothing is opened before a cache needs building, so a resume whose caches exist reads nothing.
 
 `hf:DIRECTORY` streams local JSON Lines or Parquet files through the same call, offline
