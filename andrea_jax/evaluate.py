@@ -129,6 +129,11 @@ def mean_loss(eval_step: Callable, params: Any, tokens: np.ndarray, windows: int
     return float(np.mean(np.concatenate(list(row_losses))[:windows], dtype=np.float64))
 
 
+def bits_per_byte(loss: float, split: TokenSplit) -> float:
+    """A mean token loss of `split`'s windows in bits a UTF-8 byte, at the split's measured bytes a token."""
+    return loss * split.num_tokens / (split.num_bytes * math.log(2))
+
+
 def score(restored: Restored, split: TokenSplit, batches: int) -> dict:
     """Loss, perplexity and bits per byte over the first `batches` batches (0 = every window)."""
     config, mesh = restored.config, restored.mesh
@@ -149,7 +154,7 @@ def score(restored: Restored, split: TokenSplit, batches: int) -> dict:
     num_bytes = split.num_bytes * fraction  # the bytes the evaluated tokens stand for
     return {
         "step": restored.step, "split": "val", "loss": loss, "perplexity": math.exp(loss),
-        "bits_per_byte": loss * tokens / (num_bytes * math.log(2)),
+        "bits_per_byte": bits_per_byte(loss, split),
         "tokens": tokens, "bytes": num_bytes, "fraction_of_split": fraction,
         "batches": -(-windows // batch_size), "batch_size": batch_size, "seq_len": seq_len,
         "split_tokens": split.num_tokens, "split_bytes": split.num_bytes,

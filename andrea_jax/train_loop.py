@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 import shutil
 import signal
@@ -83,7 +82,10 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
         run_dir.check_compatible(saved, config, workdir)
 
     def as_leader():
+        created = not os.path.lexists(workdir)
         held.callback(os.close, run_dir.hold(workdir))  # one run per workdir: before anything is written to it
+        if created:  # exits before the lock is released
+            held.push(partial(_remove_if_unstarted, workdir))
         if saved is None:
             run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
         return pipeline.prepare(config, workdir, is_leader=True)
@@ -104,16 +106,16 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
     A workdir the run created and stopped in before its first step is removed again: the disk is left
     as the run found it.
     """
-    created = not os.path.lexists(workdir)
-    try:
-        with contextlib.ExitStack() as held:
-            return _train(config, workdir, devices, held)
-    except BaseException:
-        # Process 0 alone looks: the others may find the directory gone under them.
-        if created and jax.process_index() == 0 and os.path.isdir(workdir) \
-                and set(os.listdir(workdir)) <= _START_UP_FILES:
-            shutil.rmtree(workdir, ignore_errors=True)
-        raise
+    with contextlib.ExitStack() as held:
+        return _train(config, workdir, devices, held)
+
+
+def _remove_if_unstarted(workdir: str, failure: type | None, *_) -> None:
+    """The exit of a run that created `workdir`: after a failure, removes it if it holds no more than
+    the start-up writes (called while the run's lock is held, so no other run can be in it)."""
+    with contextlib.suppress(OSError):
+        if failure is not None and set(os.listdir(workdir)) <= _START_UP_FILES:
+            shutil.rmtree(workdir)
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None, held: contextlib.ExitStack) -> dict:
@@ -240,7 +242,7 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
     def val_loss(done: int, state: dict) -> dict:
         loss = evaluate.mean_loss(steps.eval, state["params"], prepared.val.tokens, val_windows, config,
                                   batch_sharding)
-        bits_per_byte = loss * prepared.val.num_tokens / (prepared.val.num_bytes * math.log(2))
+        bits_per_byte = evaluate.bits_per_byte(loss, prepared.val)
         progress.write(f"step {done}: val_loss {loss:.4f} ({bits_per_byte:.3f} bits per byte)")
         return {"val_loss": loss, "val_bits_per_byte": bits_per_byte}
 

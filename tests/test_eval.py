@@ -61,6 +61,8 @@ def test_eval_py_on_one_device_reports_loss_perplexity_bits_per_byte_and_a_sampl
     assert report["bits_per_byte"] == pytest.approx(
         report["loss"] * report["tokens"] / (evaluated_bytes * math.log(2)), rel=1e-12)
     assert 0.5 < report["bits_per_byte"] < 8  # a char model early in training: a few bits a byte
+    logged = [r["val_bits_per_byte"] for r in metrics.read(trained) if r["step"] == 10 and "val_loss" in r]
+    assert report["bits_per_byte"] == pytest.approx(logged[0], rel=1e-5)  # as training logged it
 
     sample = out.split("--- sample (temperature 0.0, top_k 200, top_p 1.0, seed 0) ---\n")[1].rstrip("\n")
     assert sample.startswith("the ") and 4 < len(sample) <= 4 + 20  # one character a token

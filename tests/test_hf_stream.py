@@ -167,8 +167,8 @@ def test_a_text_column_that_is_not_text_stops_before_anything_is_written(tmp_pat
 
 
 @pytest.mark.parametrize("tokenizer, message", [
-    ("bpe", "has no text to train the tokenizer on; add text, or hold out less of it for validation "
-            r"\(data.stream_val_documents\)"),
+    ("bpe", r"has no text to train the tokenizer on; add text or check data.train_split \(a stream without "
+            r"its own validation split gives its first data.stream_val_documents to validation\)$"),
     ("byte", r"the train split has no text \(0 tokens\); add text to the source, or hold out less of it .*"
              "data.stream_val_documents for hf:"),
 ])

@@ -287,9 +287,12 @@ def test_gpu_programs_take_the_written_out_layer_norm_backward_and_others_autodi
     jax.value_and_grad(loss)(params)
     assert called == []  # a CPU program is autodiff's
     monkeypatch.undo()
+    fused = model.fused_layer_norm
+    monkeypatch.setattr(model, "fused_layer_norm", lambda *a: called.append(1) or fused(*a))
     monkeypatch.setattr(model.sharding, "program_platform", lambda: "gpu")
     monkeypatch.setattr(model, "QUERY_BLOCK", 16)  # the GPU program's blocks, at this length one
     got, grads = jax.value_and_grad(loss)(params)
+    assert len(called) == 2 * m.n_layer + 1  # every norm, ln_f too
     np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
                  grads, expected_grads)

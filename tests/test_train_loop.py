@@ -157,13 +157,23 @@ def test_a_new_run_that_stops_before_its_first_step_leaves_no_workdir(tmp_path):
         config = loop_config(tmp_path, **{"data.source": f"url:http://127.0.0.1:{unused.getsockname()[1]}/a.txt"})
         with pytest.raises(DataError, match="cannot download"):
             train_loop.train(config, str(tmp_path / "new"), devices=jax.devices()[:1])
-    assert not os.path.exists(tmp_path / "new")
-    # A run that took steps keeps its workdir whatever stops it later.
-    workdir = str(tmp_path / "kept")
-    train_loop.train(loop_config(tmp_path, steps=2, checkpoint_every=2), workdir, devices=jax.devices()[:1])
-    with pytest.raises(DataError, match="cannot download"):
-        train_loop.train(config, workdir, devices=jax.devices()[:1])
+        assert not os.path.exists(tmp_path / "new")
+        # A run that took steps keeps its workdir whatever stops it later.
+        workdir = str(tmp_path / "kept")
+        train_loop.train(loop_config(tmp_path, steps=2, checkpoint_every=2), workdir, devices=jax.devices()[:1])
+        with pytest.raises(DataError, match="cannot download"):
+            train_loop.train(config, workdir, devices=jax.devices()[:1])
     assert {"checkpoints", "config.json", "metrics.jsonl"} <= set(os.listdir(workdir))
+    # A run that cannot take a new workdir's lock (another run holds it) leaves that run's files alone.
+    from andrea_jax import run_dir
+    busy = str(tmp_path / "busy")
+    held = run_dir.hold(busy)
+    try:
+        with pytest.raises(ConfigError, match="is in use by a training run"):
+            train_loop.train(config, busy, devices=jax.devices()[:1])
+        assert os.listdir(busy) == ["run.lock"]
+    finally:
+        os.close(held)
 
 
 @pytest.mark.parametrize("arguments, message", [

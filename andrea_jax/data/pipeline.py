@@ -109,9 +109,10 @@ def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Token
               flush=True)
         sample = training_sample(train, max_bytes)
         if not any(sample):
-            held_out = "data.stream_val_documents" if isinstance(train, sources.StreamedDocuments) else "data.val_fraction"
+            held_out = ("a stream without its own validation split gives its first data.stream_val_documents"
+                        if isinstance(train, sources.StreamedDocuments) else "data.val_fraction holds out some")
             raise DataError(f"the training split of data.source={config.data.source!r} has no text to train the "
-                            f"tokenizer on; add text, or hold out less of it for validation ({held_out})")
+                            f"tokenizer on; add text or check data.train_split ({held_out} to validation)")
         return tokenizers.train_bpe(sample, merges)
     if not os.path.isfile(kind):
         raise DataError(f"data.tokenizer={kind!r} is not 'bpe', 'byte', 'char' or an existing "
