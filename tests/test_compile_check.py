@@ -115,7 +115,7 @@ def test_andrea120m_as_typed_fits_each_colab_gpu_by_itself(gpu):
 
 
 @needs_cuda_plugin
-def test_cudnn_is_left_for_float32_on_an_a100_and_refused_by_name():
+def test_a_gpu_in_float32_leaves_cudnn_to_auto_and_refuses_it_by_name():
     # cuDNN's fused attention has no float32 kernel: "auto" takes XLA's attention instead ...
     steps = tiny_step_for("a100_40gb", **{"model.dtype": "float32", "model.attention": "auto"})
     assert steps.config.model.attention == "xla" and "__cudnn$fmha" not in steps.train.as_text()
