@@ -217,11 +217,16 @@ def test_implementation_options_give_the_same_logits(options):
     assert np.isfinite(parameter_table.count(grads)) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
 
-def test_query_blocks_give_the_unblocked_loss_and_gradients(monkeypatch):
+def mean_loss_of_a_small_model(seed):
+    """(the model config, params with weights scaled up, the mean loss of a fixed [2, 16] batch as a
+    function of params)."""
     m = small_model()
-    params = init(m, scale=4.0)
-    ids = np.random.default_rng(7).integers(0, m.vocab_size, (2, 16))
-    loss = lambda p: forward(m, p, ids).mean()
+    ids = np.random.default_rng(seed).integers(0, m.vocab_size, (2, 16))
+    return m, init(m, scale=4.0), lambda p: forward(m, p, ids).mean()
+
+
+def test_query_blocks_give_the_unblocked_loss_and_gradients(monkeypatch):
+    m, params, loss = mean_loss_of_a_small_model(7)
     expected, expected_grads = jax.value_and_grad(loss)(params)
     monkeypatch.setattr(model, "QUERY_BLOCK", 6)  # blocks of 6, 6, 4
     blocked, grads = jax.value_and_grad(loss)(params)
@@ -277,18 +282,11 @@ def test_layer_norm_backward_is_autodiffs_in_float32_and_close_in_bfloat16():
 
 
 def test_gpu_programs_take_the_written_out_layer_norm_backward_and_others_autodiffs(monkeypatch):
-    m = small_model()
-    params = init(m, scale=4.0)
-    ids = np.random.default_rng(3).integers(0, m.vocab_size, (2, 16))
-    loss = lambda p: forward(m, p, ids).mean()
-    expected, expected_grads = jax.value_and_grad(loss)(params)
-    called = []
-    monkeypatch.setattr(model, "fused_layer_norm", lambda *a: called.append(1) or model.layer_norm(*a))
-    jax.value_and_grad(loss)(params)
-    assert called == []  # a CPU program is autodiff's
-    monkeypatch.undo()
-    fused = model.fused_layer_norm
+    m, params, loss = mean_loss_of_a_small_model(3)
+    called, fused = [], model.fused_layer_norm
     monkeypatch.setattr(model, "fused_layer_norm", lambda *a: called.append(1) or fused(*a))
+    expected, expected_grads = jax.value_and_grad(loss)(params)
+    assert called == []  # a CPU program is autodiff's
     monkeypatch.setattr(model.sharding, "program_platform", lambda: "gpu")
     monkeypatch.setattr(model, "QUERY_BLOCK", 16)  # the GPU program's blocks, at this length one
     got, grads = jax.value_and_grad(loss)(params)
