@@ -209,3 +209,57 @@ def test_a_second_process_waits_for_the_first_build_and_reads_it(tmp_path):
     assert int(out.split()[-1]) == expected
     assert split.num_tokens == expected  # the first process's cache, not a rebuild from "other text"
     assert split.tokens[:7].tolist() == list(b"slow 0") + [256]
+
+
+class InterruptedDocuments(ListDocuments):
+    """Documents whose read from `stop_at` on is interrupted once (a kill, as far as the build knows);
+    every read's start is recorded."""
+
+    def __init__(self, texts, stop_at):
+        super().__init__(texts)
+        self.stop_at, self.starts = stop_at, []
+
+    def read(self, start, stop):
+        self.starts.append(start)
+        if self.stop_at is not None and stop > self.stop_at:
+            self.stop_at = None
+            raise KeyboardInterrupt
+        return super().read(start, stop)
+
+
+def test_an_interrupted_build_goes_on_from_its_last_chunk_and_ends_identical(tmp_path, monkeypatch):
+    monkeypatch.setattr(token_cache, "CHUNK_TOKENS", 200)
+    texts = [f"document {i} " + "words " * (i % 7) for i in range(600)]
+    reference = token_cache.build(ListDocuments(texts), ByteTokenizer(), str(tmp_path / "a"), "train", IDENTITY,
+                                  progress=False, max_tokens=15_000)
+    directory, documents = str(tmp_path / "b"), InterruptedDocuments(texts, stop_at=300)
+    with pytest.raises(KeyboardInterrupt):
+        token_cache.build(documents, ByteTokenizer(), directory, "train", IDENTITY, progress=False, max_tokens=15_000)
+    assert token_cache.load(directory, "train") == (None, "")  # not a cache yet
+    with open(os.path.join(directory, "train.progress.json")) as f:
+        finished = json.load(f)
+    assert 0 < finished["num_documents"] <= 300 and finished["num_tokens"] >= 200
+    assert os.path.getsize(os.path.join(directory, "train.bin.tmp")) >= 2 * finished["num_tokens"]
+    assert token_cache.bytes_to_finish(directory, "train", 15_000) == 2 * (15_000 - finished["num_tokens"])
+    documents.starts.clear()
+    resumed = token_cache.build(documents, ByteTokenizer(), directory, "train", IDENTITY, progress=False,
+                                max_tokens=15_000)
+    assert documents.starts[0] == finished["num_documents"]  # no document before the chunk is read again
+    assert open(resumed.path, "rb").read() == open(reference.path, "rb").read()
+    without_time = lambda manifest: {k: v for k, v in manifest.items() if k != "build_seconds"}
+    assert without_time(resumed.manifest) == without_time(reference.manifest)
+    assert sorted(os.listdir(directory)) == ["train.bin", "train.json"]  # the progress record goes with the build
+    assert token_cache.bytes_to_finish(directory, "train", 15_000) == 0
+
+
+def test_a_build_the_disk_cannot_hold_stops_before_reading(tmp_path, monkeypatch):
+    free = type("Usage", (), {"free": 10_000})
+    monkeypatch.setattr(token_cache.shutil, "disk_usage", lambda path: free)
+    documents = InterruptedDocuments(DOCS, stop_at=None)
+    with pytest.raises(token_cache.atomic.DiskFull) as refused:
+        token_cache.build(documents, ByteTokenizer(), str(tmp_path), "train", IDENTITY, progress=False,
+                          max_tokens=1_000_000)
+    message = str(refused.value)
+    assert f"needs 2.00 MB more in {tmp_path} and 0.01 MB is free there" in message  # a million uint16 tokens
+    assert "\n" not in message and "data.cache_dir" in message
+    assert documents.starts == [] and os.listdir(tmp_path) == []

@@ -1,9 +1,11 @@
 """hf: sources, streamed through `datasets.load_dataset(..., streaming=True)` from local
 JSON Lines and Parquet directories (the hub's path, offline), and the hub's failure offline."""
 
+import contextlib
 import glob
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import pytest
 
 from andrea_jax import evaluate
 from andrea_jax.config import base_config
-from andrea_jax.data import DataError, hf_stream, pipeline, token_cache
+from andrea_jax.data import DataError, hf_stream, pipeline, sources, token_cache
 from andrea_jax.data.tokenizer import ByteTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,3 +248,129 @@ def test_offline_train_py_stops_with_one_line_and_writes_no_data(tmp_path):
         line for line in result.stderr.splitlines() if line.strip()], result.stderr[-2000:]
     assert "the Hugging Face hub is unreachable" in result.stderr
     assert not os.path.exists(tmp_path / "run" / "tokenizer.json") and not os.path.exists(tmp_path / "cache")
+
+
+
+_KILLABLE_BUILD = """
+import sys
+from andrea_jax.config import base_config
+from andrea_jax.data import pipeline, token_cache
+from andrea_jax.data.tokenizer import ByteTokenizer
+token_cache.CHUNK_TOKENS = 1 << 20  # twenty chunks
+config = base_config()
+config.data.update(source="hf:" + sys.argv[1], tokenizer="byte", cache_dir=sys.argv[2], stream_val_documents=20,
+                   stream_tokens=20_000_000)
+print(pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train").num_tokens, flush=True)
+"""
+
+
+def finished_tokens(cache):
+    records = glob.glob(str(cache / "tokens" / "*" / "train.progress.json"))
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return json.load(open(records[0]))["num_tokens"]
+    return 0
+
+
+def test_a_build_killed_at_several_moments_goes_on_and_ends_byte_identical(tmp_path):
+    texts = [f"page {i}: " + "the quick brown fox jumps over the lazy dog. " * (20 + i % 40) for i in range(18_000)]
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", texts)  # 26 MB of JSON Lines
+    cache, log = tmp_path / "cache", tmp_path / "build.log"
+    build = [sys.executable, "-c", _KILLABLE_BUILD, str(corpus), str(cache)]
+    kill_when = (lambda: finished_tokens(cache) >= 2 << 20,  # just after a chunk's record
+                 lambda: finished_tokens(cache) >= 6 << 20 and time.sleep(0.03) is None,  # inside the next chunk
+                 lambda: "going on with the token cache" in log.read_text())  # as it reopens the stream there
+    for moment, kill in enumerate(kill_when):
+        before = finished_tokens(cache)
+        with open(log, "w") as out:
+            process = subprocess.Popen(build, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 120
+        while not kill():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.005)
+        process.kill()
+        process.wait()
+        assert finished_tokens(cache) >= before > 0 or moment == 0  # a kill never loses a recorded chunk
+        assert ("going on with the token cache" in log.read_text()) == (moment > 0), log.read_text()[-2000:]
+    last = subprocess.run(build, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert last.returncode == 0, last.stdout[-2000:]
+    assert "going on with the token cache" in last.stdout and last.stdout.split()[-1] == "20000000"
+    resumed = glob.glob(str(cache / "tokens" / "*" / "train.bin"))
+    config = make_config(tmp_path, f"hf:{corpus}", stream_tokens=20_000_000, cache_dir=str(tmp_path / "whole"))
+    whole = pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
+    assert [os.path.relpath(path, cache) for path in resumed] == [os.path.relpath(whole.path, tmp_path / "whole")]
+    assert open(resumed[0], "rb").read() == open(whole.path, "rb").read()
+
+
+def test_a_dropped_connection_is_retried_from_the_last_read_and_the_cache_is_unchanged(tmp_path, monkeypatch):
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
+    config = make_config(tmp_path, f"hf:{corpus}", stream_tokens=30_000)
+    reference = pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
+    yielded, failures, delays = [0], iter([300, 700]), []
+    fail_at = next(failures)
+    next_text = hf_stream._Texts.__next__
+
+    def flaky(texts):  # the 300th and 700th records drop the connection once each
+        nonlocal fail_at
+        yielded[0] += 1
+        if yielded[0] == fail_at:
+            fail_at = next(failures, None)
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return next_text(texts)
+
+    monkeypatch.setattr(hf_stream._Texts, "__next__", flaky)
+    monkeypatch.setattr(sources.time, "sleep", delays.append)
+    config.data.cache_dir = str(tmp_path / "flaky")
+    splits = pipeline.open_splits(config)
+    opened, open_texts = [], splits.train.open_texts
+    splits.train.open_texts = lambda state=None: opened.append(state) or open_texts(state)
+    retried = pipeline.token_split(config, splits, ByteTokenizer(), "train")
+    assert delays == [2, 2] and opened[0] is None and all(state is not None for state in opened[1:])
+    assert len(opened) == 3  # each retry goes on from the last read's state, not from the start
+    assert yielded[0] < 2 * len(DOCS)
+    assert open(retried.path, "rb").read() == open(reference.path, "rb").read()
+
+
+def test_a_stream_that_keeps_failing_stops_with_one_line(tmp_path, monkeypatch):
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
+    config = make_config(tmp_path, f"hf:{corpus}", stream_tokens=30_000)
+    monkeypatch.setattr(hf_stream._Texts, "__next__", lambda texts: (_ for _ in ()).throw(TimeoutError("read timed out")))
+    delays = []
+    monkeypatch.setattr(sources.time, "sleep", delays.append)
+    with pytest.raises(DataError) as error:
+        pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
+    assert delays == [2, 4, 8, 16, 32, 64]
+    assert re.fullmatch(r"Hugging Face dataset .*corpus failed 7 times in a row \(read timed out\); run the same "
+                        r"command again when it answers \(a token cache build goes on from its last finished "
+                        r"chunk\)", str(error.value))
+
+
+def test_which_errors_are_retried():
+    class Response:
+        def __init__(self, status_code):
+            self.status_code = status_code
+
+    def answered(status):
+        error = OSError(f"HTTP {status}")
+        error.response = Response(status)
+        return error
+
+    ReadTimeout = type("ReadTimeout", (type("Timeout", (OSError,), {}),), {})  # as requests names them
+    for error in (TimeoutError(), ConnectionResetError(), ReadTimeout(), answered(503), answered(429)):
+        assert hf_stream.transient(error), error
+    wrapped = RuntimeError("reading failed")
+    wrapped.__cause__ = answered(502)
+    assert hf_stream.transient(wrapped)
+    for error in (ValueError("bad row"), answered(404), answered(401), DataError("no field"), KeyError("text")):
+        assert not hf_stream.transient(error), error
+
+
+def test_a_cache_the_disk_cannot_hold_stops_before_the_tokenizer_streams(tmp_path, monkeypatch):
+    config = make_config(tmp_path, FINEWEB, tokenizer="bpe", stream_tokens=10_000_000_000)
+    monkeypatch.setattr(hf_stream, "_load", lambda *args: pytest.fail("the dataset was opened"))
+    monkeypatch.setattr(token_cache.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 5_300_000_000}))
+    with pytest.raises(token_cache.atomic.DiskFull) as refused:
+        pipeline.prepare(config, str(tmp_path / "run"))
+    assert str(refused.value) == (f"the token cache needs 20.00 GB more in {tmp_path / 'cache'} and 5.30 GB is free "
+                                  f"there; point data.cache_dir at a larger disk, free space, or lower "
+                                  f"data.stream_tokens")
+    assert no_data_left(tmp_path)

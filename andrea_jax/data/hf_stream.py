@@ -21,8 +21,6 @@ import functools
 import math
 import os
 import urllib.parse
-from typing import Iterator
-
 import ml_collections
 
 from andrea_jax.data import DataError, local_files, sources
@@ -69,6 +67,8 @@ def _load(arguments: dict, described: str, from_hub: bool):
     try:
         return datasets.load_dataset(**arguments, streaming=True)
     except Exception as error:  # many types (not found, gated, bad config, connection) for one cause
+        if transient(error):  # the stream's reads retry it
+            raise
         reason = " ".join(str(error).split()) or type(error).__name__
         raise DataError(f"cannot open {described} ({reason[:300]}); check data.source="
                         f"'hf:OWNER/NAME[/CONFIG]' against the dataset's page") from None
@@ -86,7 +86,7 @@ def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> so
     described += f" at revision {arguments['revision']}" if "revision" in arguments else ""
     dataset = functools.cache(lambda: _load(arguments, described, not local))
 
-    def texts(val: bool) -> Iterator[str]:
+    def texts(val: bool, state: dict | None = None) -> _Texts:
         splits = dataset()
         if train_split not in splits:
             raise DataError(f"{described} has no split {train_split!r}; set data.train_split to one "
@@ -96,15 +96,9 @@ def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> so
         stream = stream.skip(val_documents) if held_out and not val else stream
         if stream.features is not None and field in stream.features:
             stream = stream.select_columns([field])
-        for record in stream:
-            if field not in record:
-                raise DataError(f"{described} has no field {field!r}; set data.text_field to one of "
-                                f"{sorted(record)}")
-            text = record[field]
-            if text is not None and not isinstance(text, str):  # str() of a list would train on its repr
-                raise DataError(f"{described} field {field!r} holds {type(text).__name__} values, not text; "
-                                f"set data.text_field to a column of strings")
-            yield text or ""
+        if state is not None:
+            stream.load_state_dict(state)
+        return _Texts(stream, field, described)
 
     identity = {"dataset": arguments, "field": field, "train_split": train_split,
                 "val_rule": f"the first {val_documents} documents of split {val_split!r} if the dataset "
@@ -112,6 +106,52 @@ def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> so
     if local:  # local files: their names, sizes and times are part of the key
         files = local_files.walk(arguments["path"], lambda name: not name.startswith("."))
         identity["files"] = local_files.fingerprint(arguments["path"], files)
-    return sources.Splits(sources.StreamedDocuments(lambda: texts(val=False)),
-                          sources.StreamedDocuments(lambda: texts(val=True), limit=val_documents),
+    streamed = functools.partial(sources.StreamedDocuments, transient=transient, described=described)
+    return sources.Splits(streamed(lambda state=None: texts(False, state)),
+                          streamed(lambda state=None: texts(True, state), limit=val_documents),
                           identity, train_tokens=train_tokens)
+
+
+class _Texts:
+    """The text column of a stream's records, in order; `state()` is where the stream stands."""
+
+    def __init__(self, stream, field: str, described: str) -> None:
+        self.stream, self.field, self.described = stream, field, described
+        self.records = iter(stream)
+
+    def __iter__(self) -> "_Texts":
+        return self
+
+    def __next__(self) -> str:
+        record = next(self.records)
+        if self.field not in record:
+            raise DataError(f"{self.described} has no field {self.field!r}; set data.text_field to one of "
+                            f"{sorted(record)}")
+        text = record[self.field]
+        if text is not None and not isinstance(text, str):  # str() of a list would train on its repr
+            raise DataError(f"{self.described} field {self.field!r} holds {type(text).__name__} values, not "
+                            f"text; set data.text_field to a column of strings")
+        return text or ""
+
+    def state(self) -> dict:
+        return self.stream.state_dict()
+
+
+# Errors of the HTTP clients under `datasets` (requests, httpx, aiohttp) that a later try may not
+# meet, by class name so that none of them has to be installed.
+_TRANSIENT_ERROR_NAMES = {"TransportError", "Timeout", "ChunkedEncodingError", "ClientConnectionError",
+                          "ClientPayloadError", "ConnectionError"}
+
+
+def transient(error: BaseException) -> bool:
+    """Whether a stream's error is worth a retry: a timeout, a dropped connection, a 429 or a 5xx."""
+    for cause in (error, error.__cause__, error.__context__):
+        if cause is None:
+            continue
+        if isinstance(cause, (TimeoutError, ConnectionError)) or \
+                _TRANSIENT_ERROR_NAMES & {kind.__name__ for kind in type(cause).__mro__}:
+            return True
+        status = getattr(getattr(cause, "response", None), "status_code", None)
+        if isinstance(status, int) and (status == 429 or status >= 500):
+            return True
+    return False

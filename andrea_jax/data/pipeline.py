@@ -165,6 +165,11 @@ def _built_by_the_leader(directory: str, split: str) -> TokenSplit:
 def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
     os.makedirs(workdir, exist_ok=True)
     splits = open_splits(config)
+    if splits.train_tokens and not os.path.exists(os.path.join(workdir, TOKENIZER_FILE)):
+        # A new tokenizer may stream its sample first: the disk is checked before that, for the
+        # whole training cache (the build checks again, counting what it has finished).
+        token_cache.require_space(sources.cache_dir_of(config.data),
+                                  splits.train_tokens * token_cache.TOKEN_BYTES)
     tokenizer, new_tokenizer = tokenizer_for_run(config, workdir, splits.train)
     train, val = (token_split(config, splits, tokenizer, split) for split in ("train", "val"))
     seq_len, batch_size = int(config.seq_len), int(config.batch_size)

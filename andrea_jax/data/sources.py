@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import sys
+import time
 from typing import Callable, Iterator, Sequence, Union
 
 import ml_collections
@@ -66,22 +67,63 @@ class ListDocuments(list):
 
 class StreamedDocuments:
     """Documents read in order from a stream that `open_texts` starts (again, for a read before
-    the last one's end). Its length is only a bound, `limit` (else unknown): an empty read is its end."""
+    the last one's end). Its length is only a bound, `limit` (else unknown): an empty read is its end.
 
-    def __init__(self, open_texts: Callable[[], Iterator[str]], limit: int = sys.maxsize) -> None:
-        self.open_texts, self.limit = open_texts, limit
+    A stream whose iterator has `state()` (a Hugging Face stream) is resumable: `state_at(position)`
+    is its state after a recent read that ended there, and `resume(position, state)` opens it there
+    through `open_texts(state)`, with no document before it read again (a token cache build goes on
+    from its last chunk). A read that fails with an error `transient` accepts (a timeout, a 5xx) is
+    retried after each of RETRY_DELAYS_S from the last read's state, then reported in one line.
+    """
+
+    RETRY_DELAYS_S = (2, 4, 8, 16, 32, 64)
+    _KEPT_STATES = 4  # a build asks for the state of the read before the one its reader runs ahead on
+
+    def __init__(self, open_texts: Callable[..., Iterator[str]], limit: int = sys.maxsize,
+                 transient: Callable[[BaseException], bool] = lambda error: False, described: str = "the stream") -> None:
+        self.open_texts, self.limit, self.transient, self.described = open_texts, limit, transient, described
         self._texts: Iterator[str] | None = None
         self._position = 0
+        self._states: dict[int, dict] = {}
 
     def __len__(self) -> int:
         return self.limit
 
+    def state_at(self, position: int) -> dict | None:
+        return self._states.get(position)
+
+    def resume(self, position: int, state: dict | None) -> None:
+        """The next read from `position` goes on from `state` (None: from the start, skipping to it)."""
+        self._texts = None if state is None else self.open_texts(state)
+        self._position = position if state is not None else 0
+
     def read(self, start: int, stop: int) -> list[str]:
+        for delay in (*self.RETRY_DELAYS_S, None):
+            try:
+                return self._read(start, stop)
+            except Exception as error:
+                if not self.transient(error):
+                    raise
+                reason = " ".join(str(error).split())[:200] or type(error).__name__
+                if delay is None:
+                    raise DataError(f"{self.described} failed {len(self.RETRY_DELAYS_S) + 1} times in a row "
+                                    f"({reason}); run the same command again when it answers (a token cache "
+                                    f"build goes on from its last finished chunk)") from None
+                print(f"{self.described} failed ({reason}); trying again in {delay} s", flush=True)
+                time.sleep(delay)
+                known = max((position for position in self._states if position <= start), default=0)
+                self.resume(known, self._states.get(known))
+
+    def _read(self, start: int, stop: int) -> list[str]:
         if self._texts is None or start < self._position:
             self._texts, self._position = self.open_texts(), 0
         skip, count = start - self._position, max(0, min(stop, self.limit) - start)
         texts = list(itertools.islice(self._texts, skip, skip + count))
         self._position += skip + len(texts)
+        if hasattr(self._texts, "state"):
+            self._states[self._position] = self._texts.state()
+            for old in sorted(self._states)[:-self._KEPT_STATES]:
+                del self._states[old]
         return texts
 
 

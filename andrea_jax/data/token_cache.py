@@ -5,7 +5,9 @@ hashes the source identity, the tokenizer and the format, so a changed source
 or tokenizer gets a new cache. The token file is written as `<split>.bin.tmp`
 and renamed into place before the manifest is written, so a killed build never
 leaves a cache that looks complete; a cache whose size disagrees with its
-manifest is rebuilt. Builds of one split take turns through a lock file
+manifest is rebuilt. The file grows in recorded chunks (`<split>.progress.json`), so a build
+that is killed, loses its connection or runs out of retries goes on from its last finished chunk,
+and a stream from where that chunk ended. Builds of one split take turns through a lock file
 (`<split>.lock`, flock): a second run on the same cache waits for the first
 one's build and reads it, instead of overwriting its half-written file. flock
 holds across the processes of one machine and on file systems that implement
@@ -22,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -30,12 +33,17 @@ import tqdm
 
 from andrea_jax.runtime import atomic
 from andrea_jax.data import DataError
-from andrea_jax.data.sources import Documents
+from andrea_jax.data.sources import Documents, StreamedDocuments
 from andrea_jax.data.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.uint16
+TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
 _TARGET_BATCH_BYTES = 4 << 20  # documents per read: about this much text
+# A build records its progress every this many tokens (128 MB of uint16): a killed one loses at most
+# that much encoding, minutes of one core on English text.
+CHUNK_TOKENS = 1 << 26
+_ESTIMATE_AFTER_BYTES = 16 << 20  # text encoded before the start-up's estimate of the build's time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +78,7 @@ def load(directory: str, split: str) -> tuple[TokenSplit | None, str]:
         num_tokens, num_bytes = int(manifest["num_tokens"]), int(manifest["num_bytes"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         return None, f"unreadable manifest ({error})"
-    expected = num_tokens * np.dtype(TOKEN_DTYPE).itemsize
+    expected = num_tokens * TOKEN_BYTES
     size = os.path.getsize(tokens_path) if os.path.exists(tokens_path) else -1
     if size != expected:
         return None, f"token file has {size} bytes, manifest says {expected}"
@@ -105,17 +113,62 @@ def _encode_with_separators(tokenizer: Tokenizer, texts: list[str], budget: int)
     return ids.astype(TOKEN_DTYPE), num_bytes, used
 
 
+def _progress_path(directory: str, split: str) -> str:
+    return os.path.join(directory, f"{split}.progress.json")
+
+
+def _finished_chunks(directory: str, split: str, max_tokens: int) -> dict:
+    """What an unfinished build of the split wrote and recorded: its tokens, bytes, documents and the
+    stream's state after them (nothing, if there is no usable record)."""
+    nothing = {"num_tokens": 0, "num_bytes": 0, "num_documents": 0, "stream_state": None}
+    temporary = f"{_paths(directory, split)[0]}.tmp"
+    try:
+        with open(_progress_path(directory, split), encoding="utf-8") as f:
+            finished = json.load(f)
+        recorded = {key: finished[key] for key in nothing}
+        size = os.path.getsize(temporary)
+    except (OSError, ValueError, KeyError, TypeError):
+        return nothing
+    fits = size >= int(recorded["num_tokens"]) * TOKEN_BYTES
+    return recorded if fits and finished.get("max_tokens") == max_tokens else nothing
+
+
+def bytes_to_finish(directory: str, split: str, max_tokens: int) -> int:
+    """The disk a split's token file still needs: 0 once cached, else the tokens of `max_tokens` that
+    no finished chunk holds yet (0 without a budget: a source's size in tokens is not known before)."""
+    if load(directory, split)[0] is not None or not max_tokens:
+        return 0
+    return (max_tokens - int(_finished_chunks(directory, split, max_tokens)["num_tokens"])) * TOKEN_BYTES
+
+
+def require_space(directory: str, needed_bytes: int) -> None:
+    """Stops a build the disk cannot hold before it streams anything."""
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    if needed_bytes > free:
+        size = lambda count: f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.2f} MB"
+        raise atomic.DiskFull(f"the token cache needs {size(needed_bytes)} more in {directory} and {size(free)} "
+                              f"is free there; point data.cache_dir at a larger disk, free space, or lower "
+                              f"data.stream_tokens")
+
+
 def _encode_into(out, documents: Documents, tokenizer: Tokenizer, split: str, progress: bool,
-                 max_tokens: int = 0) -> tuple[int, int, int]:
-    """Writes the split's tokens (with max_tokens, its first max_tokens) to `out`; returns the
+                 max_tokens: int, finished: dict, commit) -> tuple[int, int, int]:
+    """Writes the split's tokens (with max_tokens, its first max_tokens) to `out`, going on after the
+    `finished` part, and calls `commit` with what is written at each CHUNK_TOKENS; returns the
     (tokens, UTF-8 bytes, documents) written. An empty read is the end of the split: a stream's
     length is only a bound."""
     budget = max_tokens or sys.maxsize
-    num_tokens, num_bytes, position = 0, 0, 0
+    num_tokens, num_bytes, position = (int(finished[key]) for key in ("num_tokens", "num_bytes", "num_documents"))
+    committed, started_tokens, started_bytes, estimated = num_tokens, num_tokens, num_bytes, not max_tokens
+    if position and isinstance(documents, StreamedDocuments):
+        documents.resume(position, finished["stream_state"])
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1) as reader, \
-            tqdm.tqdm(total=max_tokens or len(documents), unit="tok" if max_tokens else "doc",
-                      disable=not progress, desc=f"tokenizing {split}") as bar:
+            tqdm.tqdm(total=max_tokens or len(documents), initial=num_tokens if max_tokens else position,
+                      unit="tok" if max_tokens else "doc", disable=not progress, desc=f"tokenizing {split}") as bar:
 
         def read_next(unencoded: int):
             """Starts reading after `position`, while the `unencoded` documents before it are encoded:
@@ -137,11 +190,23 @@ def _encode_into(out, documents: Documents, tokenizer: Tokenizer, split: str, pr
             num_bytes += size
             bar.update(ids.size if max_tokens else len(texts))
             seconds = max(time.perf_counter() - started, 1e-9)
-            bar.set_postfix_str(f"{num_bytes / seconds / 1e6:.1f} MB/s, "
-                                f"{num_tokens / seconds / 1e6:.2f} Mtok/s")
+            rate = (num_bytes - started_bytes) / seconds  # text bytes a second
+            bar.set_postfix_str(f"{rate / 1e6:.1f} MB/s, {(num_tokens - started_tokens) / seconds / 1e6:.2f} Mtok/s")
             if num_tokens >= budget:
                 position -= len(texts) - used  # what was read ahead goes unused
                 break
+            if not estimated and num_bytes - started_bytes >= _ESTIMATE_AFTER_BYTES:
+                estimated = True
+                text_left = (budget - num_tokens) * num_bytes / num_tokens
+                print(f"the {split} split has {budget - num_tokens:,} tokens left to encode, about "
+                      f"{text_left / 1e9:.2f} GB of text at its {num_bytes / num_tokens:.2f} bytes a token so far; "
+                      f"at this machine's {rate / 1e6:.1f} MB/s that takes about {text_left / rate / 3600:.2f} "
+                      f"hours", flush=True)
+            if num_tokens - committed >= CHUNK_TOKENS:
+                committed = num_tokens
+                commit({"num_tokens": num_tokens, "num_bytes": num_bytes, "num_documents": position,
+                        "stream_state": documents.state_at(position) if isinstance(documents, StreamedDocuments)
+                        else None})
     return num_tokens, num_bytes, position
 
 
@@ -150,29 +215,46 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
     """Encodes every non-empty document, end-of-text after each (if the tokenizer has one), into the cache.
 
     With max_tokens, the split stops at exactly that many tokens (the last document cut), and the
-    documents after it are not read."""
+    documents after it are not read. The token file grows in chunks of CHUNK_TOKENS, each made
+    durable and recorded (`<split>.progress.json`) before the next: a build killed at any moment
+    goes on from its last recorded chunk, and ends with the same bytes as one never stopped."""
     if tokenizer.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
         raise DataError(f"a vocabulary of {tokenizer.vocab_size} does not fit the uint16 token "
                         f"cache (at most 65536); use a smaller tokenizer")
+    require_space(directory, bytes_to_finish(directory, split, max_tokens))
     os.makedirs(directory, exist_ok=True)
     tokens_path, manifest_path = _paths(directory, split)
+    progress_path = _progress_path(directory, split)
     with contextlib.suppress(FileNotFoundError):
         os.remove(manifest_path)  # the old cache stops looking complete first
+    finished = _finished_chunks(directory, split, max_tokens)
+    if finished["num_tokens"]:
+        print(f"going on with the token cache {tokens_path} after its {finished['num_tokens']:,} finished "
+              f"tokens ({finished['num_documents']:,} documents)", flush=True)
     started = time.perf_counter()
-    temporary = f"{tokens_path}.tmp"  # a killed build's is overwritten by the next one
+    temporary = f"{tokens_path}.tmp"
+
+    def commit(written: dict) -> None:
+        out.flush()
+        os.fsync(out.fileno())
+        atomic.write(progress_path, json.dumps({**written, "max_tokens": max_tokens}))
+
     try:
-        with atomic.writing(tokens_path), open(temporary, "wb") as out:
-            num_tokens, num_bytes, num_documents = _encode_into(out, documents, tokenizer, split,
-                                                                 progress, max_tokens)
+        with atomic.writing(tokens_path), open(temporary, "r+b" if finished["num_tokens"] else "wb") as out:
+            out.truncate(finished["num_tokens"] * TOKEN_BYTES)  # what followed the last chunk
+            out.seek(0, os.SEEK_END)
+            num_tokens, num_bytes, num_documents = _encode_into(out, documents, tokenizer, split, progress,
+                                                                 max_tokens, finished, commit)
             out.flush()
             os.fsync(out.fileno())
         if num_tokens == 0:
             raise DataError(f"the {split} split has no text (0 tokens); add text to the source, or hold out "
                             f"{'less' if split == 'train' else 'more'} of it for validation (data.val_fraction; "
                             f"data.stream_val_documents for hf:)")
-    except BaseException:  # a failed build leaves nothing behind
-        with contextlib.suppress(FileNotFoundError):  # `open` itself may have failed
-            os.remove(temporary)
+    except BaseException:  # a failed build leaves only its finished chunks behind
+        if not os.path.exists(progress_path):
+            with contextlib.suppress(FileNotFoundError):  # `open` itself may have failed
+                os.remove(temporary)
         raise
     if num_tokens < max_tokens:
         print(f"note: the {split} split ends after {num_tokens:,} tokens, fewer than the "
@@ -186,6 +268,8 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
         "num_documents": num_documents, "max_tokens": max_tokens, "build_seconds": round(time.perf_counter() - started, 3),
     }
     atomic.write(manifest_path, json.dumps(manifest, indent=1))
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(progress_path)
     return load(directory, split)[0]  # as the next run will read it
 
 
