@@ -62,7 +62,12 @@ class Steps:
 
 
 class OutOfMemory(Exception):
-    """The step cannot fit: XLA refused to compile it (TPUs check at compile time), or it needs more than usable."""
+    """The step cannot fit: XLA refused to compile it (TPUs check at compile time), or it needs more than usable
+    (`memory`: what it needs)."""
+
+    def __init__(self, message: str, memory: Memory | None = None) -> None:
+        super().__init__(message)
+        self.memory = memory
 
 
 def device_memory_limit() -> int | None:
@@ -105,7 +110,7 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state:
     def within_usable(memory: Memory, step: str) -> Memory:
         if usable is not None and memory.peak > usable:
             raise OutOfMemory(f"the {step} step needs {memory.peak / GIB:.2f} GiB a device > "
-                              f"{usable / GIB:.2f} GiB usable")
+                              f"{usable / GIB:.2f} GiB usable", memory)
         return memory
 
     try:
@@ -137,15 +142,24 @@ def fit(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state: Any, stat
     automatic = usable is not None and not config.microbatches
     candidates = ([(m, remat) for remat in sorted({config.model.remat, True}) for m in microbatch_choices(config, mesh)]
                   if automatic else [(max(1, config.microbatches), config.model.remat)])
-    tried = []
+    tried, too_large = [], {}  # remat -> (microbatches, memory) of the last try that needed more than usable
     for microbatches, remat in candidates:
         setting = f"microbatches={microbatches}" + (", remat" if remat else "")
+        if remat in too_large:  # a count whose step cannot fit is not compiled (a compile costs minutes)
+            counted, memory = too_large[remat]
+            # The arguments stay; at best everything else shrinks with the micro-batch.
+            at_least = memory.arguments + (memory.peak - memory.arguments) * counted // microbatches
+            if at_least > usable:
+                tried.append(f"{setting}: at least {at_least / GIB:.2f} GiB, scaled from microbatches={counted}")
+                continue
         candidate = ml_collections.ConfigDict(config.to_dict())
         candidate.microbatches, candidate.model.remat = microbatches, remat
         try:
             steps = compile_steps(candidate, mesh, abstract_state, state_shardings, usable)
         except OutOfMemory as error:
             tried.append(f"{setting}: {error}")
+            if error.memory is not None:
+                too_large[remat] = (microbatches, error.memory)
             continue
         if automatic:
             report(f"fit: {'; '.join(tried + [f'{setting}: {steps.peak / GIB:.2f} GiB a device'])} (fits "

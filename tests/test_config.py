@@ -117,3 +117,18 @@ def _flatten(d, prefix=""):
         else:
             out[prefix + k] = v
     return out
+
+
+def test_the_fineweb10b_recipe_is_llm_c_schedule_on_ten_billion_tokens():
+    from configs import andrea120m_fineweb10b
+
+    c = andrea120m_fineweb10b.get_config()
+    validate(c)
+    tokens_a_step = c.batch_size * c.seq_len
+    assert tokens_a_step == 524_288 and c.steps * tokens_a_step >= 9.5e9 and c.microbatches == 0
+    o = c.optimizer
+    assert (o.learning_rate, o.warmup_steps, o.decay, o.min_learning_rate_ratio, o.weight_decay) == (
+        6e-4, 700, "cosine", 0.1, 0.1)
+    assert c.data.source == "hf:HuggingFaceFW/fineweb-edu/sample-10BT" and c.data.stream_tokens * 2 == 20e9
+    assert 1000 <= c.hellaswag.every <= 2000 and c.hellaswag.examples == 2000
+    assert c.checkpoint_every <= 250 and c.model.d_model == 768 and c.model.vocab_size == 8449

@@ -69,7 +69,7 @@ def test_the_eval_step_is_compiled_only_for_the_count_that_fits(peaks, monkeypat
     lines = []
     steps = fit_on_cpu(small_config(microbatches=0), int(peaks[4] / fit.HEADROOM) + 1, report=lines.append)
     assert steps.config.microbatches == 4 and compiled_evals == [4]
-    assert "microbatches=2: the train step needs" in lines[0]
+    assert "microbatches=1: the train step needs" in lines[0] and "microbatches=2: " in lines[0]
 
 
 def test_no_limit_means_one_microbatch():
@@ -113,6 +113,32 @@ def test_remat_comes_after_the_last_microbatch_count(monkeypatch):
     steps = fit_on_cpu(small_config(microbatches=0), int(110 / fit.HEADROOM) + 1)  # 1000/8 > 110, 400/4 fits
     assert tried == [(1, False), (2, False), (4, False), (8, False), (1, True), (2, True), (4, True)]
     assert (steps.config.microbatches, steps.config.model.remat) == (4, True)
+
+
+def test_counts_that_cannot_fit_by_the_first_try_memory_are_not_compiled(monkeypatch):
+    """A try's activations shrink at best in proportion to the micro-batch: counts still above the limit
+    by that bound are skipped, and the fewest that fit is still the one chosen."""
+    compiled, lines = [], []
+
+    def fake_compile(config, mesh, abstract, shardings, usable=None):
+        compiled.append(config.microbatches)
+        # 100 bytes of arguments, 1000 of activations and 40 of a gradient buffer that does not shrink.
+        memory = fit.Memory(arguments=100, temporaries=1000 // config.microbatches + 40, outputs=0, aliased=0)
+        if memory.peak > usable:
+            raise fit.OutOfMemory(f"the train step needs {memory.peak} bytes", memory)
+        return fit.Steps(config, None, None, memory, memory)
+
+    monkeypatch.setattr(fit, "compile_steps", fake_compile)
+    steps = fit_on_cpu(small_config(microbatches=0), int(270 / fit.HEADROOM) + 1, report=lines.append)
+    # microbatches=1 needs 1140, so 2 and 4 need at least 100 + 1040/2 and 100 + 1040/4 > 270: skipped;
+    # 8, at least 230, is compiled and fits (265).
+    assert compiled == [1, 8] and steps.config.microbatches == 8
+    assert "microbatches=2: at least 0.00 GiB, scaled from microbatches=1" in lines[0]
+    assert "microbatches=4: at least " in lines[0] and lines[0].endswith("using microbatches=8")
+    compiled.clear()
+    # Within 380, 4 (at least 360) is compiled and needs 390; then 8 (at least 100 + 290 × 4/8) fits.
+    steps = fit_on_cpu(small_config(microbatches=0), int(380 / fit.HEADROOM) + 1)
+    assert compiled == [1, 4, 8] and steps.config.microbatches == 8
 
 
 def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, monkeypatch):

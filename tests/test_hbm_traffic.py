@@ -60,6 +60,17 @@ def test_each_instruction_is_its_operands_and_output_loops_times_their_trips_on_
     assert set(parts) == {"MLP", "layout copies", "attention", "optimizer"}
 
 
+def test_a_loop_without_a_known_trip_count_runs_to_its_condition_bound():
+    """How a TPU's micro-batch loop reads: no known_trip_count, a condition `counter < 5`."""
+    counted = MODULE.replace(', backend_config={"known_trip_count":{"n":"12"}}', "").replace(
+        "  ROOT %p = pred[] constant(true)",
+        "  %i = s32[] get-tuple-element(%state), index=0\n  %n = s32[] constant(5)\n"
+        "  ROOT %lt = pred[] compare(%i, %n), direction=LT")
+    assert hbm_traffic.count(counted)["MLP"] == 5 * 2 * 4 * 8 * 2
+    unknown = MODULE.replace(', backend_config={"known_trip_count":{"n":"12"}}', "")
+    assert hbm_traffic.count(unknown)["MLP"] == 2 * 4 * 8 * 2  # no bound to read: counted once
+
+
 def test_a_compiled_step_is_charged_to_the_parts_of_the_model():
     from tests.test_model import small_model
     from andrea_jax import model

@@ -42,6 +42,22 @@ def test_plot_run_writes_a_png_in_the_workdir(tmp_path):
     assert image[..., :3].std() > 0.05  # not a blank canvas
 
 
+def test_a_run_that_scored_hellaswag_gets_its_panel_with_gpt2_as_a_line(tmp_path):
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    scores = [{"step": s, "hellaswag/acc": a, "hellaswag/acc_norm": n}
+              for s, a, n in ((100, 0.26, 0.27), (200, 0.27, 0.29))]
+    figure = plotting.figure_of(_records() + scores, "run")
+    [panel] = [axis for axis in figure.axes if axis.get_title() == "HellaSwag"]
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in panel.get_lines()}
+    assert lines["acc_norm"] == ([100, 200], [0.27, 0.29]) and lines["acc"] == ([100, 200], [0.26, 0.27])
+    assert lines["GPT-2 124M acc_norm (0.2955)"][1] == [0.2955, 0.2955]
+    plt.close(figure)
+    _write_metrics(tmp_path, _records() + scores)
+    assert matplotlib.image.imread(plotting.plot_run(str(tmp_path))).shape[:2] == (770, 1815)  # a third column
+
+
 def test_cli_writes_to_out_and_refuses_an_empty_run(tmp_path):
     _write_metrics(tmp_path, _records())
     command = [sys.executable, "-m", "andrea_jax.tools.plotting", "--workdir"]

@@ -2,7 +2,7 @@
 
 Every top-level instruction reads its operands from device memory and writes its output there
 (a fusion's inner values stay on chip), so a step's traffic is the sum of their bytes; a `while`
-body counts as many times as its known trip count. Values in another memory space (a TPU's VMEM
+body counts as many times as it runs (XLA's known trip count, or its condition's bound). Values in another memory space (a TPU's VMEM
 or SMEM, `S(n)` in the layout) are on chip and not counted; an asynchronous copy counts its
 read at the start and its write at the end. Tile padding is not counted. Each instruction is
 charged to a part of the model by the source path XLA keeps in its metadata (Flax module names).
@@ -33,6 +33,7 @@ class Instruction:
     operands: tuple[str, ...]
     attributes: str
     op_name: str  # the source path in its metadata, "" where it has none
+    literal: str = ""  # a constant's value, as written
 
 
 def array_bytes(shape_text: str, on_chip_too: bool = False) -> float:
@@ -59,7 +60,7 @@ def _parse_instruction(line: str) -> Instruction | None:
             break
     op_name = re.search(r'op_name="([^"]*)"', rest[end + 1:])
     return Instruction(name, opcode, shape, tuple(re.findall(r"%([\w.\-]+)", rest[:end])), rest[end + 1:],
-                       op_name.group(1) if op_name else "")
+                       op_name.group(1) if op_name else "", rest[:end] if opcode == "constant" else "")
 
 
 def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
@@ -103,6 +104,23 @@ def _fused_root(instruction: Instruction, computations: dict[str, list[Instructi
     return root.opcode if root else None
 
 
+def trip_count(loop: Instruction, computations: dict[str, list[Instruction]]) -> int:
+    """A while loop's trips: XLA's known_trip_count (GPUs give it), else the N of a condition
+    `counter < N` (a TPU's micro-batch loop: JAX's counters start at 0), else 1."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attributes)
+    if known:
+        return int(known.group(1))
+    condition = re.search(r"condition=%([\w.\-]+)", loop.attributes)
+    body = computations.get(condition.group(1), []) if condition else []
+    by_name = {i.name: i for i in body}
+    root = body[-1] if body else None
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.attributes or len(root.operands) != 2:
+        return 1
+    bound = by_name.get(root.operands[1])
+    value = re.fullmatch(r"\s*(\d+)\s*", bound.literal) if bound is not None and bound.opcode == "constant" else None
+    return int(value.group(1)) if value else 1
+
+
 def count(hlo_text: str) -> dict[str, float]:
     """Device-memory bytes a run of the program moves, by part of the model (`PARTS`)."""
     computations, entry = parse(hlo_text)
@@ -125,10 +143,10 @@ def count(hlo_text: str) -> dict[str, float]:
         for instruction in body:
             opcode = instruction.opcode
             if opcode in ("while", "call"):  # a loop's body counts once a trip; a call's once
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', instruction.attributes)
+                trips = trip_count(instruction, computations) if opcode == "while" else 1
                 key = "body" if opcode == "while" else "to_apply"
                 for computation in re.findall(rf"{key}=%([\w.\-]+)", instruction.attributes):
-                    walk(computation, times * (int(trips.group(1)) if trips else 1))
+                    walk(computation, times * trips)
                 continue
             if opcode in FREE:
                 continue

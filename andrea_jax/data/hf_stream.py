@@ -9,6 +9,9 @@ Validation is the first `data.stream_val_documents` documents of the dataset's
 `data.val_split` when it has one, else the first documents of the training split, which
 training then skips: no document is in both. The BPE sample is the first `data.tokenizer_train_bytes` of the training text.
 Nothing is opened before a cache needs building, so a resume whose caches exist reads nothing.
+A stream's reads record its state (`datasets`' `state_dict`), so a token cache build that stops
+goes on from its last finished chunk without streaming what came before it, and a timeout or a
+5xx from the hub is retried from the last read (`sources.StreamedDocuments`).
 
 `hf:DIRECTORY` streams local JSON Lines or Parquet files through the same call, offline
 (`load_dataset` takes the splits from the file names: `train.jsonl`, `validation.jsonl`, ...).

@@ -2,7 +2,8 @@
 
 Draws four panels from the workdir's metrics.jsonl into <workdir>/metrics.png:
 training and validation loss (log scale, where the early drop and the late
-slope both show), learning rate, tokens per second, and gradient norm.
+slope both show), learning rate, tokens per second, and gradient norm; a fifth,
+HellaSwag's accuracy, for a run that scored it, with GPT-2 124M's as a line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from absl import flags
 from andrea_jax import UserError, metrics
 
 PLOT_FILE = "metrics.png"
+# GPT-2 124M's HellaSwag acc_norm, completion style (llm.c's evaluation): the yardstick of this size.
+GPT2_124M_HELLASWAG = 0.2955
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -33,20 +36,43 @@ def plot_run(workdir: str, path: str | None = None) -> str:
     import matplotlib
     matplotlib.use("Agg")  # files only: works headless and inside notebooks alike
     import matplotlib.pyplot as plt
-    from matplotlib import ticker
 
     if not os.path.isdir(workdir):
         raise UserError(f"--workdir {workdir} does not exist; pass the directory train.py wrote")
     records = metrics.read(workdir)
-    train_steps, train_loss = series(records, "loss")
-    if not train_steps:
+    if not series(records, "loss")[0]:
         where = os.path.join(workdir, metrics.METRICS_FILE)
         raise UserError(f"{where} holds no training records yet; train first "
                          f"(python train.py --workdir {workdir} ...), one is written every log_every steps")
-    val_steps, val_loss = series(records, "val_loss")
+    figure = figure_of(records, os.path.basename(os.path.abspath(workdir)))
+    path = path or os.path.join(workdir, PLOT_FILE)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
 
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    loss_axis, lr_axis, speed_axis, grad_axis = axes.ravel()
+
+def figure_of(records: list[dict], name: str):
+    """The panels of a run's records (with training losses among them), as a matplotlib Figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    train_steps, train_loss = series(records, "loss")
+    val_steps, val_loss = series(records, "val_loss")
+    hellaswag_steps, hellaswag_acc_norm = series(records, "hellaswag/acc_norm")
+
+    columns = 3 if hellaswag_steps else 2
+    figure, axes = plt.subplots(2, columns, figsize=(5.5 * columns, 7), sharex=True, squeeze=False)
+    loss_axis, lr_axis, speed_axis, grad_axis = (axes[row, column] for row in range(2) for column in range(2))
+    if hellaswag_steps:
+        hellaswag_axis = axes[0, 2]
+        hellaswag_axis.plot(hellaswag_steps, hellaswag_acc_norm, "o-", color="tab:red", label="acc_norm")
+        hellaswag_axis.plot(*series(records, "hellaswag/acc"), "s--", color="tab:gray", label="acc")
+        hellaswag_axis.axhline(GPT2_124M_HELLASWAG, color="black", linestyle=":",
+                               label=f"GPT-2 124M acc_norm ({GPT2_124M_HELLASWAG})")
+        hellaswag_axis.axhline(0.25, color="tab:gray", linewidth=0.8, label="chance (0.25)")
+        hellaswag_axis.set(title="HellaSwag", ylabel="accuracy")
+        hellaswag_axis.legend()
+        axes[1, 2].axis("off")
     loss_axis.plot(train_steps, train_loss, label="train", color="tab:blue")
     if val_steps:
         loss_axis.plot(val_steps, val_loss, "o-", label="validation", color="tab:orange")
@@ -71,16 +97,14 @@ def plot_run(workdir: str, path: str | None = None) -> str:
             axis.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
             axis.yaxis.set_minor_formatter(ticker.NullFormatter())
         axis.grid(True, which="both", alpha=0.3)
-    for axis in axes[1]:
+    for axis in (*axes[1, :2], *axes[0, 2:]):
         axis.set_xlabel("step")
-    figure.suptitle(f"{os.path.basename(os.path.abspath(workdir))}: {train_steps[-1]} steps, "
+        axis.xaxis.set_tick_params(labelbottom=True)
+    figure.suptitle(f"{name}: {train_steps[-1]} steps, "
                     f"last train loss {train_loss[-1]:.3f}"
                     + (f", last val loss {val_loss[-1]:.3f}" if val_loss else ""))
     figure.tight_layout()
-    path = path or os.path.join(workdir, PLOT_FILE)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return figure
 
 
 def main(argv: list[str]) -> None:
