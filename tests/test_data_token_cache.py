@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -227,11 +228,15 @@ class InterruptedDocuments(ListDocuments):
         return super().read(start, stop)
 
 
-def test_an_interrupted_build_goes_on_from_its_last_chunk_and_ends_identical(tmp_path, monkeypatch):
+def test_an_interrupted_build_goes_on_from_its_last_chunk_and_ends_identical(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(token_cache, "CHUNK_TOKENS", 200)
+    monkeypatch.setattr(token_cache, "_ESTIMATE_AFTER_BYTES", 1000)
     texts = [f"document {i} " + "words " * (i % 7) for i in range(600)]
     reference = token_cache.build(ListDocuments(texts), ByteTokenizer(), str(tmp_path / "a"), "train", IDENTITY,
                                   progress=False, max_tokens=15_000)
+    # Once some text is encoded, the build says what is left and how long it should take on this machine.
+    assert re.search(r"the train split has [\d,]+ tokens left to encode, about 0\.00 GB of text at its 0\.9\d bytes "
+                     r"a token so far; at this machine's [\d.]+ MB/s that takes about \d+ minutes", capsys.readouterr().out)
     directory, documents = str(tmp_path / "b"), InterruptedDocuments(texts, stop_at=300)
     with pytest.raises(KeyboardInterrupt):
         token_cache.build(documents, ByteTokenizer(), directory, "train", IDENTITY, progress=False, max_tokens=15_000)

@@ -198,10 +198,11 @@ def _encode_into(out, documents: Documents, tokenizer: Tokenizer, split: str, pr
             if not estimated and num_bytes - started_bytes >= _ESTIMATE_AFTER_BYTES:
                 estimated = True
                 text_left = (budget - num_tokens) * num_bytes / num_tokens
+                seconds_left = text_left / rate
+                duration = f"{seconds_left / 3600:.1f} hours" if seconds_left >= 3600 else f"{seconds_left / 60:.0f} minutes"
                 print(f"the {split} split has {budget - num_tokens:,} tokens left to encode, about "
                       f"{text_left / 1e9:.2f} GB of text at its {num_bytes / num_tokens:.2f} bytes a token so far; "
-                      f"at this machine's {rate / 1e6:.1f} MB/s that takes about {text_left / rate / 3600:.2f} "
-                      f"hours", flush=True)
+                      f"at this machine's {rate / 1e6:.1f} MB/s that takes about {duration}", flush=True)
             if num_tokens - committed >= CHUNK_TOKENS:
                 committed = num_tokens
                 commit({"num_tokens": num_tokens, "num_bytes": num_bytes, "num_documents": position,
@@ -297,5 +298,6 @@ def load_or_build(documents: Documents, tokenizer: Tokenizer, directory: str, sp
             return cached
         if problem:
             print(f"token cache {tokens_path} is unusable ({problem}); rebuilding")
-        print(f"encoding the {split} split into the token cache {tokens_path}", flush=True)
+        amount = f"'s first {max_tokens:,} tokens ({max_tokens * TOKEN_BYTES / 1e9:.2f} GB)" if max_tokens else ""
+        print(f"encoding the {split} split{amount} into the token cache {tokens_path}", flush=True)
         return build(documents, tokenizer, directory, split, identity, progress, max_tokens)
