@@ -10,6 +10,7 @@ sequence per device and micro-batch does not fit, blocks are rematerialised.
 from __future__ import annotations
 
 import dataclasses
+import re
 from functools import partial
 from typing import Any, Callable
 
@@ -95,6 +96,15 @@ def compiler_options(mesh: Mesh) -> dict[str, bool]:
     return {"xla_allow_excess_precision": False} if mesh.devices.flat[0].platform == "gpu" else {}
 
 
+def refused_memory(message: str) -> Memory | None:
+    """The temporaries a compile that ran out of memory says it needs (a TPU's compiler: "the total memory
+    required for HLO temporaries (17.54G) exceeds ..."), its arguments unknown; None where it says nothing."""
+    found = re.search(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)", message)
+    if not found:
+        return None
+    return Memory(0, int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " ")), 0, 0)
+
+
 def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state: Any,
                   state_shardings: Any, usable: int | None = None) -> Steps:
     """Lowers and compiles both steps as the loop calls them.
@@ -124,7 +134,7 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state:
                                compiler_options(mesh))
     except Exception as error:  # the runtime's error type differs between jax versions
         if "RESOURCE_EXHAUSTED" in str(error):
-            raise OutOfMemory(f"XLA refused it ({str(error).splitlines()[0]})") from error
+            raise OutOfMemory(f"XLA refused it ({str(error).splitlines()[0]})", refused_memory(str(error))) from error
         raise
     # The optimizer state stays on the device beside the eval step's params: all of the train step's arguments.
     eval_memory = within_usable(dataclasses.replace(Memory.of(evaluate), arguments=train_memory.arguments), "eval")

@@ -15,7 +15,7 @@ import pytest
 from andrea_jax import fit
 from andrea_jax.compile import check, targets
 from andrea_jax.config import ConfigError
-from configs import andrea120m
+from configs import andrea120m, andrea120m_fineweb10b
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
@@ -53,6 +53,22 @@ def test_andrea120m_as_typed_fits_one_colab_tpu_by_itself_in_one_microbatch(topo
     assert_fits_with_the_fewest(steps, target, lines)
     cost = check.step_cost(steps, target)
     assert cost.mfu_bound >= {"v5e-1": 0.85, "v6e-1": 0.5}[topology]
+
+
+@needs_libtpu
+def test_the_fineweb10b_recipe_compiles_for_a_v6e_1_in_the_micro_batches_its_fit_takes():
+    """524,288 tokens a step in 8 micro-batches of 64 (4 would need at least twice the activations: 39 GiB), each
+    micro-batch's traffic counted: the TPU's loop has no known trip count, only its condition's bound."""
+    config = andrea120m_fineweb10b.get_config()
+    config.microbatches = 8  # what microbatches=0 finds, without the compile of 1 that the fit tries first
+    target = targets.named("v6e-1")
+    steps = check.compiled_for(config, target)
+    memory = steps.train_memory
+    assert steps.peak <= fit.HEADROOM * target.memory_limit
+    assert memory.arguments + 2 * (memory.peak - memory.arguments) > fit.HEADROOM * target.memory_limit
+    cost = check.step_cost(steps, target)
+    assert sum(cost.hbm_bytes.values()) > 8 * 120e9  # counted once, the loop's 8 micro-batches gave 158 GB
+    assert 0.4 <= cost.mfu_bound <= 0.6 and config.steps * cost.roofline_seconds / 3600 > 3.5  # hours, a bound
 
 
 @needs_libtpu

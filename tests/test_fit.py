@@ -141,6 +141,13 @@ def test_counts_that_cannot_fit_by_the_first_try_memory_are_not_compiled(monkeyp
     assert compiled == [1, 4, 8] and steps.config.microbatches == 8
 
 
+def test_a_tpu_compile_that_runs_out_of_memory_says_what_its_temporaries_need():
+    refusal = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+               "(17.54G) exceeds available HBM (15.75G).")  # libtpu 0.0.42's words
+    assert fit.refused_memory(refusal) == fit.Memory(0, int(17.54 * 2 ** 30), 0, 0)
+    assert fit.refused_memory("RESOURCE_EXHAUSTED: out of memory") is None
+
+
 def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, monkeypatch):
     """The chosen count lands in config.json; a resume where one micro-batch would fit keeps it, exactly."""
     devices = jax.devices()[:1]
