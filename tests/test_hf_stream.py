@@ -236,6 +236,23 @@ def test_offline_the_real_hub_fails_in_seconds(tmp_path, monkeypatch):
 
 
 @offline_only
+def test_offline_the_10b_recipe_stops_in_seconds_with_one_line(tmp_path, monkeypatch):
+    from configs import andrea120m_fineweb10b
+
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(token_cache.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 10 ** 12}))
+    config = andrea120m_fineweb10b.get_config()
+    config.data.cache_dir = str(tmp_path / "cache")
+    started = time.perf_counter()
+    with pytest.raises(DataError, match=r"^the Hugging Face hub is unreachable, and Hugging Face dataset "
+                                        r"HuggingFaceFW/fineweb-edu/sample-10BT streams from it; run online") as error:
+        pipeline.prepare(config, str(tmp_path / "run"))
+    assert time.perf_counter() - started < 5 and "\n" not in str(error.value)
+    assert no_data_left(tmp_path)
+
+
+@offline_only
 def test_offline_train_py_stops_with_one_line_and_writes_no_data(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_ENDPOINT", "HF_HUB_OFFLINE")}
     result = subprocess.run(
