@@ -7,15 +7,34 @@ short by a kill ends the stream (its length's checksum is checked, as TensorBoar
 
 from __future__ import annotations
 
+import importlib
 import os
 import struct
+import sys
 from typing import Iterator
 
 from google.protobuf.message import DecodeError
-from tensorboardX.proto import event_pb2
-from tensorboardX.record_writer import masked_crc32c
 
 from andrea_jax.runtime import atomic
+
+
+def _from_tensorboardx(module: str):
+    """A tensorboardX module, imported with torch hidden. tensorboardX imports torch wherever it is
+    installed (seconds of every train.py and eval.py start) only to accept torch tensors, which this
+    project never passes; torch stays importable afterwards."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` raises ImportError meanwhile
+    try:
+        return importlib.import_module(module)
+    finally:
+        if hide:
+            del sys.modules["torch"]
+
+
+event_pb2 = _from_tensorboardx("tensorboardX.proto.event_pb2")
+masked_crc32c = _from_tensorboardx("tensorboardX.record_writer").masked_crc32c
+SummaryWriter = _from_tensorboardx("tensorboardX").SummaryWriter
 
 _HEADER = struct.Struct("<QI")  # the data's length, and the CRC of those 8 bytes
 _FOOTER = 4  # the CRC of the data

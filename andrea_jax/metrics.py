@@ -11,9 +11,8 @@ import math
 import os
 from typing import Any
 
-from tensorboardX import SummaryWriter
-
 from andrea_jax import event_files
+from andrea_jax.event_files import SummaryWriter
 from andrea_jax.runtime import atomic
 
 METRICS_FILE = "metrics.jsonl"

@@ -2,10 +2,13 @@
 
 import os
 import struct
-
-from tensorboardX.record_writer import masked_crc32c
+import subprocess
+import sys
 
 from andrea_jax import event_files, metrics
+from andrea_jax.event_files import masked_crc32c
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def scalars(workdir):
@@ -76,3 +79,16 @@ def test_a_record_cut_short_by_a_kill_is_dropped_and_the_whole_ones_kept(tmp_pat
     event_files.drop_after(directory, 10)
     assert os.listdir(directory) == [name]
     assert scalars(workdir) == [(1, "loss", 1.0)]
+
+
+def test_importing_the_writer_leaves_torch_unimported_and_importable():
+    """tensorboardX would import torch (seconds of every train.py start); it is imported with torch hidden."""
+    check = ("import importlib.util, sys\n"
+             "from andrea_jax import metrics\n"
+             "assert 'torch' not in sys.modules, 'torch was imported'\n"
+             "if importlib.util.find_spec('torch') is not None:\n"
+             "    import torch\n"
+             "    assert torch.zeros(2).sum().item() == 0\n"
+             "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr[-2000:]
