@@ -42,8 +42,10 @@ def val_manifest(workdir):
     return json.load(open(os.path.join(data["cache_directories"]["val"], "val.json")))
 
 
-def test_eval_py_on_one_device_reports_loss_perplexity_bits_per_byte_and_a_sample(trained):
-    result = run_eval("--workdir", trained, "--prompt", "the ", "--temperature", "0", "--max_new_tokens", "20")
+def test_eval_py_on_one_device_reports_loss_perplexity_bits_per_byte_a_sample_a_trace_and_the_plot(trained):
+    # One launch for all of eval.py's outputs: each start costs seconds of imports before any work.
+    result = run_eval("--workdir", trained, "--prompt", "the ", "--temperature", "0", "--max_new_tokens", "20",
+                      "--trace", "the tea", "--plot")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "step 10: val loss" in out and "perplexity" in out and "bits per byte" in out
@@ -64,8 +66,18 @@ def test_eval_py_on_one_device_reports_loss_perplexity_bits_per_byte_and_a_sampl
     logged = [r["val_bits_per_byte"] for r in metrics.read(trained) if r["step"] == 10 and "val_loss" in r]
     assert report["bits_per_byte"] == pytest.approx(logged[0], rel=1e-5)  # as training logged it
 
-    sample = out.split("--- sample (temperature 0.0, top_k 200, top_p 1.0, seed 0) ---\n")[1].rstrip("\n")
+    sample = out.split("--- sample (temperature 0.0, top_k 200, top_p 1.0, seed 0) ---\n")[1]
+    sample = sample.split("\nlogit lens over ")[0].rstrip("\n")  # the trace's table follows the sample
     assert sample.startswith("the ") and 4 < len(sample) <= 4 + 20  # one character a token
+
+    rows = [line for line in out.splitlines() if line.split()[:2] in (["0", "embed"], ["1", "block_0"],
+                                                                      ["2", "block_1"])]
+    assert len(rows) == 3  # the tiny model has 2 blocks: embedding + one row per block
+    for name in ("trace_step10.png", "metrics.png"):
+        path = os.path.join(trained, name)
+        assert os.path.getsize(path) > 10_000
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_whole_split_and_an_older_step(trained):
@@ -196,15 +208,3 @@ def test_a_run_trained_on_a_tpu_evaluates_on_a_cpu_with_this_machines_attention(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "val loss" in result.stdout
 
-
-def test_trace_prints_a_row_per_depth_and_plot_draws_the_run(trained):
-    result = run_eval("--workdir", trained, "--trace", "the tea", "--plot")
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.split()[:2] in (["0", "embed"], ["1", "block_0"],
-                                                                                ["2", "block_1"])]
-    assert len(rows) == 3  # the tiny model has 2 blocks: embedding + one row per block
-    for name in ("trace_step10.png", "metrics.png"):
-        path = os.path.join(trained, name)
-        assert os.path.getsize(path) > 10_000
-        with open(path, "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -78,10 +78,18 @@ def test_metrics_records_and_falling_loss(tmp_path):
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12", "4", "8"]
 
 
-def test_one_device_and_a_mixed_mesh_log_the_same_losses(tmp_path):
-    one = str(tmp_path / "one")
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory):
+    """(its tmp_path, its workdir): loop_config's 8 steps on one device, the run several tests compare with."""
+    root = tmp_path_factory.mktemp("one_device")
+    workdir = str(root / "run")
+    train_loop.train(loop_config(root), workdir, devices=jax.devices()[:1])
+    return root, workdir
+
+
+def test_one_device_and_a_mixed_mesh_log_the_same_losses(tmp_path, one_device_run):
+    _, one = one_device_run
     mesh = str(tmp_path / "mesh")
-    train_loop.train(loop_config(tmp_path), one, devices=jax.devices()[:1])
     train_loop.train(loop_config(tmp_path, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}), mesh)
     a, b = losses(one), losses(mesh)
     assert [s for s, _ in a] == [s for s, _ in b] == [2, 4, 6, 8]
@@ -225,20 +233,18 @@ def test_a_resume_whose_own_micro_batches_do_not_split_over_the_devices_stops_wi
     assert [step for step, _ in losses(workdir)] == [2]
 
 
-def test_a_workdir_copied_to_another_file_system_resumes_exactly(tmp_path):
+def test_a_workdir_copied_to_another_file_system_resumes_exactly(one_device_run):
     """As on Colab: the run's directory copied elsewhere (a Drive, another mount) resumes there, exactly."""
+    root, unbroken = one_device_run
     other_mount = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    if other_mount is None or os.stat(other_mount).st_dev == os.stat(tmp_path).st_dev:
+    if other_mount is None or os.stat(other_mount).st_dev == os.stat(root).st_dev:
         pytest.skip("no writable second file system (/dev/shm) here")
-    devices = jax.devices()[:1]
-    unbroken, first = str(tmp_path / "unbroken"), str(tmp_path / "first")
-    train_loop.train(loop_config(tmp_path), unbroken, devices=devices)
-    train_loop.train(loop_config(tmp_path), first, devices=devices)
-    shutil.rmtree(os.path.join(first, "checkpoints", "8"))  # as if the runtime had gone after step 4
     copied = tempfile.mkdtemp(dir=other_mount, prefix="andrea_copied_")
     try:
-        shutil.copytree(first, copied, dirs_exist_ok=True)
-        train_loop.train(loop_config(tmp_path), copied, devices=devices)
+        # The run as if the runtime had gone after step 4: copied without the checkpoint of step 8.
+        shutil.copytree(unbroken, copied, dirs_exist_ok=True,
+                        ignore=lambda directory, names: ["8"] if directory.endswith("checkpoints") else [])
+        train_loop.train(loop_config(root), copied, devices=jax.devices()[:1])
         assert losses(copied) == losses(unbroken)
         assert losses(copied, "val_loss") == losses(unbroken, "val_loss")
         assert sorted(os.listdir(os.path.join(copied, "checkpoints"))) == ["4", "8"]
