@@ -252,7 +252,8 @@ class Attention(nn.Module):
 
         # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
         # and v is written once, where attention reads it (the slices were copies, and their
-        # cotangents were stacked back; bench/RESULTS.md).
+        # cotangents were stacked back; bench/RESULTS.md). Their biases stay outside the products: XLA's
+        # GPU compiler adds a slice of the [3, H, K] bias in no product's epilogue (bench/RESULTS.md).
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
             nn.with_logical_constraint(
                 (matmul(x_BxLxD, qkv_kernel[:, i], "bld,dhk->blhk", self.dtype, self.dtype)
@@ -318,14 +319,14 @@ class MLP(nn.Module):
 
         # Pre-activations are rounded to the compute dtype and the activation, computed in float32,
         # is recomputed in the backward (`activate`): autodiff would keep the float32 pre-activation,
-        # the widest activation of the block, for the backward.
-        up_BxLxF = (matmul(x_BxLxD, fc_kernel, "bld,df->blf", self.dtype, self.dtype) + fc_bias).astype(self.dtype)
+        # the widest activation of the block, for the backward. The bias goes into the product
+        # (`matmul`), where a GPU adds it in the product's epilogue instead of a pass of its own.
+        up_BxLxF = matmul(x_BxLxD, fc_kernel, "bld,df->blf", self.dtype, self.dtype, bias=fc_bias)
         if self.activation == "swiglu":
             # Created after the four above, so those draw the same initial values as without it.
             gate_kernel = _param(self, "gate_kernel", normal(INIT_STD), embed=d_model, mlp=self.mlp_dim)
             gate_bias = _param(self, "gate_bias", zeros, mlp=self.mlp_dim)
-            gate_BxLxF = (matmul(x_BxLxD, gate_kernel, "bld,df->blf", self.dtype, self.dtype)
-                          + gate_bias).astype(self.dtype)
+            gate_BxLxF = matmul(x_BxLxD, gate_kernel, "bld,df->blf", self.dtype, self.dtype, bias=gate_bias)
             h_BxLxF = activate(lambda up, gate: jax.nn.silu(gate) * up, up_BxLxF, gate_BxLxF)
         else:
             h_BxLxF = activate(ACTIVATIONS[self.activation], up_BxLxF)
