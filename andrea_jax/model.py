@@ -37,6 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+import optax
 from flax.linen.initializers import normal, ones, zeros
 
 from andrea_jax import attention, sharding
@@ -45,6 +46,7 @@ from andrea_jax.precision import compute_dtype, matmul
 
 INIT_STD = 0.02  # GPT-2's normal init for weights and embeddings
 QUERY_BLOCK = 128  # on CPUs and GPUs the einsum attention runs in blocks of this many queries (Attention)
+LOSS_CHUNK_TOKENS = 8192  # on GPUs the tied head's loss runs over about this many tokens at a time
 ACTIVATIONS = {  # and swiglu, whose gate is a second projection (MLP)
     "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
     "gelu_exact": lambda h: jax.nn.gelu(h, approximate=False),
@@ -250,7 +252,8 @@ class Attention(nn.Module):
 
         # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
         # and v is written once, where attention reads it (the slices were copies, and their
-        # cotangents were stacked back; bench/RESULTS.md).
+        # cotangents were stacked back; bench/RESULTS.md). Their biases stay outside the products: XLA's
+        # GPU compiler adds a slice of the [3, H, K] bias in no product's epilogue (bench/RESULTS.md).
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
             nn.with_logical_constraint(
                 (matmul(x_BxLxD, qkv_kernel[:, i], "bld,dhk->blhk", self.dtype, self.dtype)
@@ -316,14 +319,14 @@ class MLP(nn.Module):
 
         # Pre-activations are rounded to the compute dtype and the activation, computed in float32,
         # is recomputed in the backward (`activate`): autodiff would keep the float32 pre-activation,
-        # the widest activation of the block, for the backward.
-        up_BxLxF = (matmul(x_BxLxD, fc_kernel, "bld,df->blf", self.dtype, self.dtype) + fc_bias).astype(self.dtype)
+        # the widest activation of the block, for the backward. The bias goes into the product
+        # (`matmul`), where a GPU adds it in the product's epilogue instead of a pass of its own.
+        up_BxLxF = matmul(x_BxLxD, fc_kernel, "bld,df->blf", self.dtype, self.dtype, bias=fc_bias)
         if self.activation == "swiglu":
             # Created after the four above, so those draw the same initial values as without it.
             gate_kernel = _param(self, "gate_kernel", normal(INIT_STD), embed=d_model, mlp=self.mlp_dim)
             gate_bias = _param(self, "gate_bias", zeros, mlp=self.mlp_dim)
-            gate_BxLxF = (matmul(x_BxLxD, gate_kernel, "bld,df->blf", self.dtype, self.dtype)
-                          + gate_bias).astype(self.dtype)
+            gate_BxLxF = matmul(x_BxLxD, gate_kernel, "bld,df->blf", self.dtype, self.dtype, bias=gate_bias)
             h_BxLxF = activate(lambda up, gate: jax.nn.silu(gate) * up, up_BxLxF, gate_BxLxF)
         else:
             h_BxLxF = activate(ACTIVATIONS[self.activation], up_BxLxF)
@@ -380,7 +383,9 @@ class Transformer(nn.Module):
     config: ml_collections.ConfigDict  # the `model` section of a config
 
     @nn.compact
-    def __call__(self, ids_BxL: jax.Array, deterministic: bool = True, decode: bool = False) -> jax.Array:
+    def __call__(self, ids_BxL: jax.Array, deterministic: bool = True, decode: bool = False,
+                 targets_BxL: jax.Array | None = None) -> jax.Array:
+        """The logits; with `targets_BxL`, each position's loss against its target instead (`next_token_losses`)."""
         m = self.config
         dtype = compute_dtype(m.dtype)
         _, length = ids_BxL.shape
@@ -414,19 +419,119 @@ class Transformer(nn.Module):
                 x_BxLxD = block_cls(m, name=f"block_{i}")(x_BxLxD, deterministic, cache_index)
 
         x_BxLxD = LayerNorm(m.layer_norm_epsilon, dtype, name="ln_f")(x_BxLxD)
-        logits_BxLxV = tied_logits(x_BxLxD, token_embed, m)
-        return nn.with_logical_constraint(logits_BxLxV, ("act_batch", "act_len", "act_vocab"))
+        if targets_BxL is not None:
+            return next_token_losses(x_BxLxD, token_embed, targets_BxL, m)
+        return logits_of(x_BxLxD, token_embed, m)
+
+
+def logits_of(x_BxLxD: jax.Array, token_embed: jax.Array, model_config: ml_collections.ConfigDict) -> jax.Array:
+    """The whole [B, L, V] float32 logits after LN_f, laid out as the rules say."""
+    logits_BxLxV = tied_logits(x_BxLxD, token_embed, model_config)
+    return nn.with_logical_constraint(logits_BxLxV, ("act_batch", "act_len", "act_vocab"))
+
+
+def next_token_losses(x_BxLxD: jax.Array, token_embed: jax.Array, targets_BxL: jax.Array,
+                      model_config: ml_collections.ConfigDict) -> jax.Array:
+    """Each position's cross-entropy [B, L] (float32) against its target, from the stream after LN_f.
+
+    GPU programs take the head in chunks with a written-out backward (`chunked_tied_cross_entropy`);
+    the others autodiff optax's loss over the whole logits.
+    """
+    m = model_config
+    if sharding.program_platform() == "gpu":
+        chunk_len = max(1, LOSS_CHUNK_TOKENS // x_BxLxD.shape[0])
+        return chunked_tied_cross_entropy(x_BxLxD, token_embed, targets_BxL, m.vocab_size, compute_dtype(m.dtype),
+                                          chunk_len)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_of(x_BxLxD, token_embed, m), targets_BxL)
 
 
 def tied_logits(x_BxLxD: jax.Array, token_embed: jax.Array, model_config: ml_collections.ConfigDict) -> jax.Array:
     """The output head after LN_f: x · token_embed.T in float32, padding columns masked out."""
     m = model_config
     logits_BxLxV = matmul(x_BxLxD, token_embed, "bld,vd->blv", compute_dtype(m.dtype))
-    if token_embed.shape[0] > m.vocab_size:
-        # Padding rows exist only for matmul shapes: they can never be predicted.
-        real_V = jnp.arange(token_embed.shape[0]) < m.vocab_size
-        logits_BxLxV = jnp.where(real_V, logits_BxLxV, jnp.finfo(jnp.float32).min)
-    return logits_BxLxV
+    return _without_padding(logits_BxLxV, m.vocab_size)
+
+
+def _without_padding(logits_BxLxV: jax.Array, vocab_size: int) -> jax.Array:
+    """Padding rows exist only for matmul shapes: they can never be predicted."""
+    if logits_BxLxV.shape[-1] == vocab_size:
+        return logits_BxLxV
+    real_V = jnp.arange(logits_BxLxV.shape[-1]) < vocab_size
+    return jnp.where(real_V, logits_BxLxV, jnp.finfo(jnp.float32).min)
+
+
+def _chunk_logits(x_BxCxD: jax.Array, token_embed: jax.Array, vocab_size: int, dtype) -> jax.Array:
+    """`tied_logits` of a chunk of positions, forward only (inside `chunked_tied_cross_entropy`)."""
+    logits_BxCxV = jnp.einsum("bcd,vd->bcv", x_BxCxD.astype(dtype), token_embed.astype(dtype),
+                              preferred_element_type=jnp.float32)
+    return _without_padding(logits_BxCxV, vocab_size)
+
+
+def _position_chunks(length: int, chunk_len: int) -> list[tuple[int, int]]:
+    return [(start, min(start + chunk_len, length)) for start in range(0, length, chunk_len)]
+
+
+def _log_normalizer_and_target(logits_BxCxV: jax.Array, is_target_BxCxV: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's log-sum-exp and its target's logit, in one pass over the logits.
+
+    The running (maximum, sum of exponentials below it) pair is one reduction, so the logits are
+    read once, not once for the maximum and again for the sum as in optax's loss; the target's
+    logit is a third sum with one nonzero term (exact).
+    """
+    def combine(left, right):
+        (max_a, sum_a, target_a), (max_b, sum_b, target_b) = left, right
+        top = jnp.maximum(max_a, max_b)
+        return top, sum_a * jnp.exp(max_a - top) + sum_b * jnp.exp(max_b - top), target_a + target_b
+
+    # float32's minimum rather than -inf as the start: two starts combine to exp(0) × 0, not NaN.
+    lowest = jnp.finfo(jnp.float32).min
+    top_BxC, sum_BxC, target_BxC = jax.lax.reduce(
+        (logits_BxCxV, jnp.ones_like(logits_BxCxV), jnp.where(is_target_BxCxV, logits_BxCxV, 0.0)),
+        (jnp.float32(lowest), jnp.float32(0), jnp.float32(0)), combine, (logits_BxCxV.ndim - 1,))
+    return top_BxC + jnp.log(sum_BxC), target_BxC
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def chunked_tied_cross_entropy(x_BxLxD: jax.Array, token_embed: jax.Array, targets_BxL: jax.Array,
+                               vocab_size: int, dtype, chunk_len: int) -> jax.Array:
+    """optax's integer-label cross-entropy of `tied_logits`, [B, L] float32, `chunk_len` positions at a
+    time: the float32 [B, L, V] logits are never whole, and the backward recomputes each chunk's
+    logits from the stream and forms their cotangent in one pass. Autodiff of the whole head wrote
+    and re-read the logits, their cotangent and a one-hot scatter of the targets (bench/RESULTS.md)."""
+    return _cross_entropy_fwd(x_BxLxD, token_embed, targets_BxL, vocab_size, dtype, chunk_len)[0]
+
+
+def _cross_entropy_fwd(x_BxLxD, token_embed, targets_BxL, vocab_size, dtype, chunk_len):
+    losses, log_normalizers = [], []
+    for start, stop in _position_chunks(x_BxLxD.shape[1], chunk_len):
+        logits_BxCxV = _chunk_logits(x_BxLxD[:, start:stop], token_embed, vocab_size, dtype)
+        is_target_BxCxV = targets_BxL[:, start:stop, None] == jnp.arange(token_embed.shape[0])
+        log_normalizer_BxC, target_BxC = _log_normalizer_and_target(logits_BxCxV, is_target_BxCxV)
+        losses.append(log_normalizer_BxC - target_BxC)
+        log_normalizers.append(log_normalizer_BxC)
+    log_normalizer_BxL = jnp.concatenate(log_normalizers, axis=1)
+    return jnp.concatenate(losses, axis=1), (x_BxLxD, token_embed, targets_BxL, log_normalizer_BxL)
+
+
+def _cross_entropy_bwd(vocab_size, dtype, chunk_len, residuals, d_losses_BxL):
+    """d logits = (softmax - one-hot(target)) × d loss, rounded to `dtype` as `precision.matmul`'s
+    backward rounds a cotangent; the stream's gradient comes back in its dtype, the embedding's in float32."""
+    x_BxLxD, token_embed, targets_BxL, log_normalizer_BxL = residuals
+    embed_VxD = token_embed.astype(dtype)
+    d_x_chunks, d_embed_VxD = [], jnp.zeros(token_embed.shape, jnp.float32)
+    for start, stop in _position_chunks(x_BxLxD.shape[1], chunk_len):
+        x_BxCxD = x_BxLxD[:, start:stop]
+        logits_BxCxV = _chunk_logits(x_BxCxD, token_embed, vocab_size, dtype)
+        probs_BxCxV = jnp.exp(logits_BxCxV - log_normalizer_BxL[:, start:stop, None])
+        one_hot_BxCxV = targets_BxL[:, start:stop, None] == jnp.arange(token_embed.shape[0])
+        d_logits_BxCxV = ((probs_BxCxV - one_hot_BxCxV) * d_losses_BxL[:, start:stop, None]).astype(dtype)
+        d_x_chunks.append(jnp.einsum("bcv,vd->bcd", d_logits_BxCxV, embed_VxD, preferred_element_type=x_BxLxD.dtype))
+        d_embed_VxD += jnp.einsum("bcv,bcd->vd", d_logits_BxCxV, x_BxCxD.astype(dtype),
+                                  preferred_element_type=jnp.float32)
+    return jnp.concatenate(d_x_chunks, axis=1), d_embed_VxD.astype(token_embed.dtype), None
+
+
+chunked_tied_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def head(params: dict, model_config: ml_collections.ConfigDict, x_BxLxD: jax.Array) -> jax.Array:

@@ -66,9 +66,10 @@ def _product(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
 
 
-def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype, out_dtype=jnp.float32) -> jax.Array:
+def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype, out_dtype=jnp.float32,
+           bias: jax.Array | None = None) -> jax.Array:
     """x·kernel (an einsum `spec`: activations times weights) rounded to `dtype`, accumulated in float32,
-    in `out_dtype`, with a written-out backward.
+    plus `bias` (float32, over the output's last axes) if given, in `out_dtype`, with a written-out backward.
 
     Autodiff on bf16 operands would multiply the float32 cotangent by a bf16 operand, which XLA
     runs as a float32 matmul: two thirds of a step's FLOPs would miss the bf16 units. Here the
@@ -81,12 +82,21 @@ def matmul(x: jax.Array, kernel: jax.Array, spec: str, dtype, out_dtype=jnp.floa
     elementwise work that produces it (softmax and LayerNorm backward, residual sums) into the
     transposes feeding both products and recomputes it in each (bench/RESULTS.md).
     Attention's batched products have their own backward (`model.softmax_attention`).
+
+    On a GPU the bias is added to the float32 product inside it, and its gradient summed in its
+    backward: XLA's GPU compiler then adds it in the product's epilogue, where added to the
+    product's rounded result it took a pass of its own over the output (bench/RESULTS.md).
+    Elsewhere it is added to the result.
     """
     operands = spec.split("->")[0].split(",")
     # The backward's specs swap the output with an operand: every index must be named once.
     if "." in spec or any(len(set(s)) != len(s) for s in operands):
         raise ValueError(f"einsum spec {spec!r}: no '...' and no index repeated within an operand")
-    return _matmul(spec, x, kernel, dtype, out_dtype)
+    if bias is None:
+        return _matmul(spec, x, kernel, dtype, out_dtype)
+    if sharding.program_platform() == "gpu":
+        return _matmul_plus_bias(spec, x, kernel, bias, dtype, out_dtype)
+    return (_matmul(spec, x, kernel, dtype, out_dtype) + bias).astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
@@ -112,3 +122,23 @@ def _matmul_bwd(spec, dtype, out_dtype, residuals, cotangent):
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
+def _matmul_plus_bias(spec: str, a: jax.Array, b: jax.Array, bias: jax.Array, dtype, out_dtype) -> jax.Array:
+    return _matmul_plus_bias_fwd(spec, a, b, bias, dtype, out_dtype)[0]
+
+
+def _matmul_plus_bias_fwd(spec, a, b, bias, dtype, out_dtype):
+    product = _product(spec, a.astype(dtype), b.astype(dtype), jnp.float32)
+    return (product + bias).astype(out_dtype), (a, b, bias)
+
+
+def _matmul_plus_bias_bwd(spec, dtype, out_dtype, residuals, cotangent):
+    a, b, bias = residuals
+    grad_a, grad_b = _matmul_bwd(spec, dtype, out_dtype, (a, b), cotangent)
+    rows = tuple(range(cotangent.ndim - bias.ndim))
+    return grad_a, grad_b, cotangent.astype(jnp.float32).sum(rows).astype(bias.dtype)
+
+
+_matmul_plus_bias.defvjp(_matmul_plus_bias_fwd, _matmul_plus_bias_bwd)

@@ -33,16 +33,16 @@ def init_state(rng: jax.Array, config: ml_collections.ConfigDict, tx: optax.Grad
 
 def token_losses(params: Any, model_config: ml_collections.ConfigDict, batch_BxLp1: jax.Array,
                  dropout_rng: jax.Array | None = None, diagnose: bool = False) -> tuple[jax.Array, dict]:
-    """The one place the loss is computed: each target token's next-token loss [B, L] (float32) over a
-    [B, L+1] window batch, and with `diagnose` the pass's per-depth stream statistics
-    (`diagnostics.stream_stats`; else {}). Dropout runs when `dropout_rng` is given."""
+    """The one place the loss is asked for (the model's head computes it: `model.next_token_losses`): each
+    target token's next-token loss [B, L] (float32) over a [B, L+1] window batch, and with `diagnose` the
+    pass's per-depth stream statistics (`diagnostics.stream_stats`; else {}). Dropout runs when
+    `dropout_rng` is given."""
     inputs_BxL, targets_BxL = batch_BxLp1[:, :-1], batch_BxLp1[:, 1:]
     deterministic = dropout_rng is None
     out = model.Transformer(model_config).apply(
-        {"params": params}, inputs_BxL, deterministic=deterministic,
+        {"params": params}, inputs_BxL, deterministic=deterministic, targets_BxL=targets_BxL,
         rngs=None if deterministic else {"dropout": dropout_rng}, mutable=[model.DIAGNOSTICS] if diagnose else False)
-    logits_BxLxV, variables = out if diagnose else (out, {})
-    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
+    losses_BxL, variables = out if diagnose else (out, {})
     return losses_BxL, diagnostics.stream_stats(variables[model.DIAGNOSTICS], model_config) if diagnose else {}
 
 

@@ -8,10 +8,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import ad_checkpoint
 
-from andrea_jax import model
+from andrea_jax import model, sharding
 from andrea_jax.gpt2 import interop
 from andrea_jax.tools import parameter_table
 from andrea_jax.config import base_config
@@ -292,6 +293,64 @@ def test_gpu_programs_take_the_written_out_layer_norm_backward_and_others_autodi
     got, grads = jax.value_and_grad(loss)(params)
     assert len(called) == 2 * m.n_layer + 1  # every norm, ln_f too
     np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
+                 grads, expected_grads)
+
+
+def test_chunked_cross_entropy_is_optax_over_the_whole_logits_in_float32_and_close_in_bfloat16():
+    m = small_model(vocab_pad_multiple=8)  # 101 tokens in 104 rows: the padding is masked
+    keys = jax.random.split(jax.random.key(10), 4)
+    x = jax.random.normal(keys[0], (2, 7, 64))
+    embed = 0.5 * jax.random.normal(keys[1], (104, 64))
+    targets = jax.random.randint(keys[2], (2, 7), 0, m.vocab_size)
+    g = jax.random.uniform(keys[3], (2, 7))
+    autodiff = lambda dtype: jax.vjp(lambda x, e: optax.softmax_cross_entropy_with_integer_labels(
+        model.tied_logits(x.astype(dtype), e, small_model(vocab_pad_multiple=8, dtype=jnp.dtype(dtype).name)),
+        targets), x, embed)
+    # Chunks of 3, 3 and 1 positions.
+    ours = lambda dtype: jax.vjp(lambda x, e: model.chunked_tied_cross_entropy(
+        x.astype(dtype), e, targets, m.vocab_size, dtype, 3), x, embed)
+    (losses, vjp), (expected, reference_vjp) = ours(jnp.float32), autodiff(jnp.float32)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    reference = reference_vjp(g)
+    for got, want in zip(vjp(g), reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    losses16, vjp16 = ours(jnp.bfloat16)
+    assert losses16.dtype == jnp.float32
+    np.testing.assert_allclose(losses16, expected, rtol=0.02)
+    for got, want in zip(vjp16(g), reference):
+        assert np.abs(np.asarray(got, np.float32) - want).max() <= 0.02 * np.abs(want).max()
+
+
+def sharded_loss_and_grads(m, params, loss, mesh_sizes):
+    """jit(value_and_grad(loss)) with params laid out by the rules on a (data, fsdp, tensor) mesh."""
+    config = base_config()
+    config.model, config.batch_size = m, 4
+    config.mesh.update(dict(zip(("data", "fsdp", "tensor"), mesh_sizes)))
+    mesh = sharding.make_mesh(config, jax.devices()[:math.prod(mesh_sizes)])
+    rules = sharding.rules(config)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        boxed = jax.eval_shape(lambda: model.init_params(m, jax.random.key(0)))
+        params = jax.device_put(params, sharding.logical_shardings(boxed, mesh, rules))
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("mesh_sizes", [(1, 1, 1), (2, 2, 2)], ids=["one device", "data2-fsdp2-tensor2"])
+def test_gpu_programs_take_the_chunked_head_loss_with_autodiffs_loss_and_gradients(mesh_sizes, monkeypatch):
+    m = small_model(vocab_pad_multiple=8)
+    params = init(m, scale=4.0)
+    ids = np.random.default_rng(11).integers(0, m.vocab_size, (4, 17))
+    loss = lambda p: forward(m, p, ids[:, :-1], targets_BxL=jnp.asarray(ids[:, 1:])).mean()
+    called, chunked = [], model.chunked_tied_cross_entropy
+    monkeypatch.setattr(model, "chunked_tied_cross_entropy", lambda *a: called.append(a[-1]) or chunked(*a))
+    expected, expected_grads = jax.value_and_grad(loss)(params)
+    assert called == []  # a CPU program autodiffs optax's loss
+    monkeypatch.setattr(model.sharding, "program_platform", lambda: "gpu")
+    monkeypatch.setattr(model, "QUERY_BLOCK", 16)  # the GPU program's blocks, at this length one
+    monkeypatch.setattr(model, "LOSS_CHUNK_TOKENS", 24)  # 4 rows × chunks of 6, 6 and 4 positions
+    got, grads = sharded_loss_and_grads(m, params, loss, mesh_sizes)
+    assert called == [6]
+    np.testing.assert_allclose(float(got), float(expected), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
                  grads, expected_grads)
 

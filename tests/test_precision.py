@@ -186,3 +186,27 @@ def test_products_return_the_compute_dtype_on_accelerators_and_float32_then_roun
     lowered = jax.jit(step).lower(x, w).as_text()
     products = re.findall(r"stablehlo.dot_general .*-> tensor<4x3x(\w+)>", lowered)
     assert products and set(products) == result_dtypes
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_a_bias_added_in_the_product_on_gpus_is_autodiffs_in_float32_and_close_in_bfloat16(platform, monkeypatch):
+    monkeypatch.setattr(precision.sharding, "program_platform", lambda: platform)
+    ka, kb, kc, kg = jax.random.split(jax.random.key(4), 4)
+    x, w = jax.random.normal(ka, (2, 5, 8)), jax.random.normal(kb, (8, 6))
+    bias, g = jax.random.normal(kc, (6,)), jax.random.normal(kg, (2, 5, 6))
+    ours = lambda dtype: jax.vjp(lambda *a: precision.matmul(*a[:2], "bld,df->blf", dtype, dtype, bias=a[2]),
+                                 x.astype(dtype), w, bias)
+    out, vjp = ours(jnp.float32)
+    expected, autodiff_vjp = jax.vjp(lambda x, w, b: jnp.einsum("bld,df->blf", x, w) + b, x, w, bias)
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+    reference = autodiff_vjp(g)
+    for got, want in zip(vjp(g), reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    out16, vjp16 = ours(jnp.bfloat16)
+    assert out16.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(out16, np.float32) - expected).max() <= 0.02 * np.abs(expected).max()
+    for got, want in zip(vjp16(g.astype(jnp.bfloat16)), reference):
+        assert np.abs(np.asarray(got, np.float32) - want).max() <= 0.02 * np.abs(want).max()
+    # Only a GPU program adds the bias inside the product's own backward.
+    jaxpr = str(jax.make_jaxpr(lambda x: precision.matmul(x, w, "bld,df->blf", jnp.float32, bias=bias))(x))
+    assert ("_matmul_plus_bias" in jaxpr) == (platform == "gpu")

@@ -127,8 +127,8 @@ def test_bf16_steps_on_a_sharded_mesh_track_one_device_and_float32_autodiff(monk
     cosine = lambda u, v: float(u @ v / np.linalg.norm(u) / np.linalg.norm(v))
     one_device = update(run_steps(small_config(**bf16), (1, 1, 1))[1])
     sharded = update(run_steps(small_config(**bf16), (2, 2, 2))[1])
-    autodiff_matmul = lambda x, kernel, spec, dtype, out_dtype=jnp.float32: jnp.einsum(
-        spec, x.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+    autodiff_matmul = lambda x, kernel, spec, dtype, out_dtype=jnp.float32, bias=0.0: (jnp.einsum(
+        spec, x.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32) + bias).astype(out_dtype)
     monkeypatch.setattr(model, "matmul", autodiff_matmul)
     float32 = update(run_steps(small_config(), (1, 1, 1))[1])
     assert cosine(sharded, one_device) > 0.999
