@@ -133,14 +133,6 @@ def _finished_chunks(directory: str, split: str, max_tokens: int) -> dict:
     return recorded if fits and finished.get("max_tokens") == max_tokens else nothing
 
 
-def bytes_to_finish(directory: str, split: str, max_tokens: int) -> int:
-    """The disk a split's token file still needs: 0 once cached, else the tokens of `max_tokens` that
-    no finished chunk holds yet (0 without a budget: a source's size in tokens is not known before)."""
-    if load(directory, split)[0] is not None or not max_tokens:
-        return 0
-    return (max_tokens - int(_finished_chunks(directory, split, max_tokens)["num_tokens"])) * TOKEN_BYTES
-
-
 def require_space(directory: str, needed_bytes: int) -> None:
     """Stops a build the disk cannot hold before it streams anything."""
     existing = directory
@@ -222,13 +214,14 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
     if tokenizer.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
         raise DataError(f"a vocabulary of {tokenizer.vocab_size} does not fit the uint16 token "
                         f"cache (at most 65536); use a smaller tokenizer")
-    require_space(directory, bytes_to_finish(directory, split, max_tokens))
+    finished = _finished_chunks(directory, split, max_tokens)
+    # A source's size in tokens is known before only for a budget; its finished chunks are on disk already.
+    require_space(directory, (max_tokens - finished["num_tokens"]) * TOKEN_BYTES if max_tokens else 0)
     os.makedirs(directory, exist_ok=True)
     tokens_path, manifest_path = _paths(directory, split)
     progress_path = _progress_path(directory, split)
     with contextlib.suppress(FileNotFoundError):
         os.remove(manifest_path)  # the old cache stops looking complete first
-    finished = _finished_chunks(directory, split, max_tokens)
     if finished["num_tokens"]:
         print(f"going on with the token cache {tokens_path} after its {finished['num_tokens']:,} finished "
               f"tokens ({finished['num_documents']:,} documents)", flush=True)
