@@ -112,17 +112,17 @@ def activate(function, *inputs: jax.Array) -> jax.Array:
     return jax.checkpoint(as_float32)(*inputs)
 
 
-def _row_statistics(x: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:
-    """Each row's mean and 1 / sqrt(variance + epsilon), float32 in and out."""
-    mean = x.mean(-1, keepdims=True)
-    return mean, jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + epsilon)
+def _normalized(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float, dtype):
+    """(the normalized rows in `dtype`, each row's float32 mean and 1 / sqrt(variance + epsilon))."""
+    x = x_BxLxD.astype(jnp.float32)
+    mean_BxLx1 = x.mean(-1, keepdims=True)
+    rstd_BxLx1 = jax.lax.rsqrt(jnp.square(x - mean_BxLx1).mean(-1, keepdims=True) + epsilon)
+    return ((x - mean_BxLx1) * rstd_BxLx1 * scale + bias).astype(dtype), mean_BxLx1, rstd_BxLx1
 
 
 def layer_norm(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float, dtype) -> jax.Array:
     """scale * (x - mean) / sqrt(var + epsilon) + bias in `dtype`, statistics in float32 (autodiff's backward)."""
-    x = x_BxLxD.astype(jnp.float32)
-    mean, rstd = _row_statistics(x, epsilon)
-    return ((x - mean) * rstd * scale + bias).astype(dtype)
+    return _normalized(x_BxLxD, scale, bias, epsilon, dtype)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -134,9 +134,7 @@ def fused_layer_norm(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array, epsi
 
 
 def _layer_norm_fwd(x_BxLxD, scale, bias, epsilon, dtype):
-    x = x_BxLxD.astype(jnp.float32)
-    mean_BxLx1, rstd_BxLx1 = _row_statistics(x, epsilon)
-    y = ((x - mean_BxLx1) * rstd_BxLx1 * scale + bias).astype(dtype)
+    y, mean_BxLx1, rstd_BxLx1 = _normalized(x_BxLxD, scale, bias, epsilon, dtype)
     return y, (x_BxLxD, mean_BxLx1, rstd_BxLx1, scale)
 
 
