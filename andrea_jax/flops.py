@@ -35,10 +35,15 @@ def non_embedding_params(model_config: ml_collections.ConfigDict) -> int:
     return m.n_layer * block + 2 * d + padded_vocab_size(m) * d
 
 
+def attention_flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int) -> float:
+    """The 12·L·H·Q·T of `flops_per_token`: attention's own products (q·kᵀ and p·v, forward and backward)."""
+    m = model_config
+    return 12 * m.n_layer * m.d_model * seq_len  # H·Q is d_model
+
+
 def flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int) -> float:
     """Training FLOPs per token, nanoGPT/PaLM convention: 6N + 12·L·H·Q·T (attention not halved)."""
-    m = model_config
-    return 6 * non_embedding_params(m) + 12 * m.n_layer * m.d_model * seq_len  # H·Q is d_model
+    return 6 * non_embedding_params(model_config) + attention_flops_per_token(model_config, seq_len)
 
 
 def device_peak_flops(device: jax.Device, dtype: str = "bfloat16") -> float | None:

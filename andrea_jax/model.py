@@ -45,7 +45,10 @@ from andrea_jax.config import padded_vocab_size
 from andrea_jax.precision import compute_dtype, matmul
 
 INIT_STD = 0.02  # GPT-2's normal init for weights and embeddings
-QUERY_BLOCK = 128  # on CPUs and GPUs the einsum attention runs in blocks of this many queries (Attention)
+# On CPUs and GPUs the einsum attention runs in blocks of this many queries (Attention). A GPU
+# program recomputes its probabilities in the backward, whose per-block key gradients are summed:
+# larger blocks there sum fewer of them for a little more of the square (bench/RESULTS.md).
+QUERY_BLOCKS = {"cpu": 128, "gpu": 256}
 LOSS_CHUNK_TOKENS = 8192  # on GPUs the tied head's loss runs over about this many tokens at a time
 ACTIVATIONS = {  # and swiglu, whose gate is a second projection (MLP)
     "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
@@ -169,12 +172,16 @@ class LayerNorm(nn.Module):
         return norm(x_BxLxD, scale, bias, self.epsilon, self.dtype)
 
 
-def _attention_probs(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, causal_LxS: jax.Array) -> jax.Array:
-    """softmax(q·kᵀ/√K + mask) in float32."""
+def _attention_logits(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, causal_LxS: jax.Array) -> jax.Array:
+    """q·kᵀ/√K + mask in float32."""
     logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxSxHxK,
                                 preferred_element_type=jnp.float32) / math.sqrt(q_BxLxHxK.shape[-1])
-    logits_BxHxLxS = jnp.where(causal_LxS, logits_BxHxLxS, jnp.finfo(jnp.float32).min)
-    return jax.nn.softmax(logits_BxHxLxS, axis=-1)
+    return jnp.where(causal_LxS, logits_BxHxLxS, jnp.finfo(jnp.float32).min)
+
+
+def _attention_probs(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, causal_LxS: jax.Array) -> jax.Array:
+    """softmax(q·kᵀ/√K + mask) in float32."""
+    return jax.nn.softmax(_attention_logits(q_BxLxHxK, k_BxSxHxK, causal_LxS), axis=-1)
 
 
 def softmax_attention(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array, causal_LxS: jax.Array,
@@ -182,10 +189,12 @@ def softmax_attention(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax
     """softmax(q·kᵀ/√K + mask)·v: scores and softmax in float32, products in `dtype`.
 
     `dropout` (applied to the probabilities) takes autodiff's backward; without it the
-    backward is written out (`_attention_fwd`, `_attention_bwd`).
+    backward is written out (`_attention_fwd`, `_attention_bwd`; GPU programs recompute the
+    probabilities there instead of keeping them: `recomputing_attention`).
     """
     if dropout is None:
-        return _attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype)
+        written_out = recomputing_attention if sharding.program_platform() == "gpu" else _attention
+        return written_out(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype)
     probs_BxHxLxS = dropout(_attention_probs(q_BxLxHxK, k_BxSxHxK, causal_LxS))
     return jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxS.astype(dtype), v_BxSxHxK,
                       preferred_element_type=jnp.float32).astype(dtype)
@@ -223,6 +232,50 @@ def _attention_bwd(dtype, residuals, d_out_BxLxHxK):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def recomputing_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype):
+    """`_attention` keeping only each row's float32 log-sum-exp for the backward, which recomputes
+    the probabilities from q and k (flash attention's algorithm, in XLA one query block at a time):
+    the float32 [B, H, L, S] probabilities are neither kept nor read back, and softmax's backward
+    takes its row sums from out · d_out ([B, L, H]) instead of a pass over [B, H, L, S]. GPU
+    programs only (the T4's, where XLA runs attention): on a T4 the kept probabilities were most
+    of a step's bytes; a CPU step, bound by its FLOPs, would pay for the second q·kᵀ.
+    """
+    return _recomputing_fwd(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype)[0]
+
+
+def _recomputing_fwd(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype):
+    logits_BxHxLxS = _attention_logits(q_BxLxHxK, k_BxSxHxK, causal_LxS)
+    log_sum_BxHxLx1 = _log_sum_exp(logits_BxHxLxS)[0][..., None]
+    probs_BxHxLxS = jnp.exp(logits_BxHxLxS - log_sum_BxHxLx1)
+    out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxS.astype(dtype), v_BxSxHxK,
+                             preferred_element_type=jnp.float32).astype(dtype)
+    return out_BxLxHxK, (q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, out_BxLxHxK, log_sum_BxHxLx1)
+
+
+def _recomputing_bwd(dtype, residuals, d_out_BxLxHxK):
+    """`_attention_bwd` with the probabilities recomputed, and Σ_s p·dp = d_out · out per row."""
+    # The barrier keeps XLA from taking the recomputed product for the forward's (common
+    # subexpressions), which would keep the forward's float32 scores alive until here.
+    q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, out_BxLxHxK, log_sum_BxHxLx1 = jax.lax.optimization_barrier(residuals)
+    f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+    probs_BxHxLxS = jnp.exp(_attention_logits(q_BxLxHxK, k_BxSxHxK, causal_LxS) - log_sum_BxHxLx1)
+    g_BxLxHxK = d_out_BxLxHxK.astype(dtype)
+    d_v_BxSxHxK = f32("bhqs,bqhk->bshk", probs_BxHxLxS.astype(dtype), g_BxLxHxK)
+    d_probs_BxHxLxS = f32("bqhk,bshk->bhqs", g_BxLxHxK, v_BxSxHxK)
+    row_sums_BxHxLx1 = f32("bqhk,bqhk->bhq", d_out_BxLxHxK.astype(jnp.float32),
+                           out_BxLxHxK.astype(jnp.float32))[..., None]
+    d_logits_BxHxLxS = probs_BxHxLxS * (d_probs_BxHxLxS - row_sums_BxHxLx1)
+    d_logits_BxHxLxS = (d_logits_BxHxLxS / math.sqrt(q_BxLxHxK.shape[-1])).astype(dtype)
+    d_q_BxLxHxK = f32("bhqs,bshk->bqhk", d_logits_BxHxLxS, k_BxSxHxK)
+    d_k_BxSxHxK = f32("bhqs,bqhk->bshk", d_logits_BxHxLxS, q_BxLxHxK)
+    return (d_q_BxLxHxK.astype(q_BxLxHxK.dtype), d_k_BxSxHxK.astype(k_BxSxHxK.dtype),
+            d_v_BxSxHxK.astype(v_BxSxHxK.dtype), None)
+
+
+recomputing_attention.defvjp(_recomputing_fwd, _recomputing_bwd)
 
 
 class Attention(nn.Module):
@@ -281,7 +334,8 @@ class Attention(nn.Module):
             out_BxLxHxK = attention.FUSED[implementation](q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)
         else:
             drop = (lambda probs: nn.Dropout(self.dropout)(probs, deterministic=False)) if dropping else None
-            if cache_index is None and sharding.program_platform() in ("cpu", "gpu") and length > QUERY_BLOCK:
+            query_block = QUERY_BLOCKS.get(sharding.program_platform(), length)
+            if cache_index is None and length > query_block:
                 # Query block i attends keys [0, end of block i) only: the blocks above the causal
                 # diagonal are never computed (a quarter of the square at 2 blocks), and each row
                 # still gets one exact softmax over all its keys. Measured on a CPU step and in a
@@ -289,8 +343,8 @@ class Attention(nn.Module):
                 out_BxLxHxK = jnp.concatenate([
                     softmax_attention(q_BxLxHxK[:, start:stop], k_BxSxHxK[:, :stop], v_BxSxHxK[:, :stop],
                                       causal_LxS[start:stop, :stop], self.dtype, drop)
-                    for start in range(0, length, QUERY_BLOCK)
-                    for stop in [min(start + QUERY_BLOCK, length)]], axis=1)
+                    for start in range(0, length, query_block)
+                    for stop in [min(start + query_block, length)]], axis=1)
             else:
                 out_BxLxHxK = softmax_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, self.dtype, drop)
 
@@ -469,24 +523,29 @@ def _position_chunks(length: int, chunk_len: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk_len, length)) for start in range(0, length, chunk_len)]
 
 
-def _log_normalizer_and_target(logits_BxCxV: jax.Array, is_target_BxCxV: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's log-sum-exp and its target's logit, in one pass over the logits.
+def _log_sum_exp(logits_BxCxV: jax.Array, *summed_BxCxV: jax.Array) -> tuple[jax.Array, ...]:
+    """Each row's log-sum-exp over the last axis, then each of `summed_BxCxV`'s row sums, in one pass.
 
     The running (maximum, sum of exponentials below it) pair is one reduction, so the logits are
-    read once, not once for the maximum and again for the sum as in optax's loss; the target's
-    logit is a third sum with one nonzero term (exact).
+    read once, not once for the maximum and again for the sum as in optax's loss or
+    `jax.nn.logsumexp`; the sums ride in the same reduction.
     """
     def combine(left, right):
-        (max_a, sum_a, target_a), (max_b, sum_b, target_b) = left, right
+        (max_a, sum_a, *more_a), (max_b, sum_b, *more_b) = left, right
         top = jnp.maximum(max_a, max_b)
-        return top, sum_a * jnp.exp(max_a - top) + sum_b * jnp.exp(max_b - top), target_a + target_b
+        return (top, sum_a * jnp.exp(max_a - top) + sum_b * jnp.exp(max_b - top),
+                *(a + b for a, b in zip(more_a, more_b)))
 
     # float32's minimum rather than -inf as the start: two starts combine to exp(0) × 0, not NaN.
-    lowest = jnp.finfo(jnp.float32).min
-    top_BxC, sum_BxC, target_BxC = jax.lax.reduce(
-        (logits_BxCxV, jnp.ones_like(logits_BxCxV), jnp.where(is_target_BxCxV, logits_BxCxV, 0.0)),
-        (jnp.float32(lowest), jnp.float32(0), jnp.float32(0)), combine, (logits_BxCxV.ndim - 1,))
-    return top_BxC + jnp.log(sum_BxC), target_BxC
+    starts = (jnp.float32(jnp.finfo(jnp.float32).min), jnp.float32(0)) + (jnp.float32(0),) * len(summed_BxCxV)
+    top_BxC, sum_BxC, *sums_BxC = jax.lax.reduce((logits_BxCxV, jnp.ones_like(logits_BxCxV), *summed_BxCxV),
+                                                 starts, combine, (logits_BxCxV.ndim - 1,))
+    return (top_BxC + jnp.log(sum_BxC), *sums_BxC)
+
+
+def _log_normalizer_and_target(logits_BxCxV: jax.Array, is_target_BxCxV: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's log-sum-exp and its target's logit (a sum with one nonzero term: exact), in one pass."""
+    return _log_sum_exp(logits_BxCxV, jnp.where(is_target_BxCxV, logits_BxCxV, 0.0))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

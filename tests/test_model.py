@@ -135,7 +135,7 @@ def test_init_follows_gpt2():
 @pytest.mark.parametrize("query_block", [128, 5], ids=["one block", "blocks of 5"])
 def test_forward_matches_float64_numpy_reference(query_block, monkeypatch):
     # Blocks of 5 split the 16 queries 5, 5, 5, 1: each block sees only the keys up to its end.
-    monkeypatch.setattr(model, "QUERY_BLOCK", query_block)
+    monkeypatch.setitem(model.QUERY_BLOCKS, "cpu", query_block)
     m = small_model()
     params = init(m, scale=8.0)
     ids = np.random.default_rng(1).integers(0, m.vocab_size, (2, 16))
@@ -158,7 +158,7 @@ def test_gelu_is_the_tanh_form():
 
 @pytest.mark.parametrize("query_block", [128, 5], ids=["one block", "blocks of 5"])
 def test_causality(query_block, monkeypatch):
-    monkeypatch.setattr(model, "QUERY_BLOCK", query_block)
+    monkeypatch.setitem(model.QUERY_BLOCKS, "cpu", query_block)
     m = small_model()
     params = init(m)
     ids = np.random.default_rng(3).integers(0, m.vocab_size, (1, 16))
@@ -229,16 +229,20 @@ def mean_loss_of_a_small_model(seed):
 def test_query_blocks_give_the_unblocked_loss_and_gradients(monkeypatch):
     m, params, loss = mean_loss_of_a_small_model(7)
     expected, expected_grads = jax.value_and_grad(loss)(params)
-    monkeypatch.setattr(model, "QUERY_BLOCK", 6)  # blocks of 6, 6, 4
+    monkeypatch.setitem(model.QUERY_BLOCKS, "cpu", 6)  # blocks of 6, 6, 4
     blocked, grads = jax.value_and_grad(loss)(params)
     np.testing.assert_allclose(float(blocked), float(expected), rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max(), rtol=0),
                  grads, expected_grads)
 
 
-def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16():
-    # The written-out backward against autodiff of the same forward (the dropout path with
+@pytest.mark.parametrize("platform", ["cpu", "gpu"], ids=["kept probabilities", "recomputed (GPU programs)"])
+def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16(platform, monkeypatch):
+    # Each written-out backward against autodiff of the same forward (the dropout path with
     # an identity dropout), with a causal mask cut as a query block sees it (queries 5..11).
+    monkeypatch.setattr(model.sharding, "program_platform", lambda: platform)
+    taken, recomputing = [], model.recomputing_attention
+    monkeypatch.setattr(model, "recomputing_attention", lambda *a: taken.append(1) or recomputing(*a))
     keys = jax.random.split(jax.random.key(8), 4)
     q, k, v, g = (jax.random.normal(key, shape) for key, shape in
                   zip(keys, [(2, 7, 3, 16), (2, 12, 3, 16), (2, 12, 3, 16), (2, 7, 3, 16)]))
@@ -248,7 +252,11 @@ def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16():
     ours = lambda dtype: jax.vjp(lambda *qkv: model.softmax_attention(
         *(x.astype(dtype) for x in qkv), causal, dtype), q, k, v)
     (out, vjp), (ref_out, ref_vjp) = ours(jnp.float32), autodiff(jnp.float32)
-    np.testing.assert_array_equal(out, ref_out)
+    assert len(taken) == (platform == "gpu")
+    if platform == "cpu":
+        np.testing.assert_array_equal(out, ref_out)  # the same softmax
+    else:  # exp(logits - log-sum-exp) rather than softmax's division
+        np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
     reference = ref_vjp(g)
     for got, want in zip(vjp(g), reference):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -289,7 +297,7 @@ def test_gpu_programs_take_the_written_out_layer_norm_backward_and_others_autodi
     expected, expected_grads = jax.value_and_grad(loss)(params)
     assert called == []  # a CPU program is autodiff's
     monkeypatch.setattr(model.sharding, "program_platform", lambda: "gpu")
-    monkeypatch.setattr(model, "QUERY_BLOCK", 16)  # the GPU program's blocks, at this length one
+    monkeypatch.setitem(model.QUERY_BLOCKS, "gpu", 16)  # the GPU program's blocks, at this length one
     got, grads = jax.value_and_grad(loss)(params)
     assert len(called) == 2 * m.n_layer + 1  # every norm, ln_f too
     np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
@@ -336,7 +344,8 @@ def sharded_loss_and_grads(m, params, loss, mesh_sizes):
 
 
 @pytest.mark.parametrize("mesh_sizes", [(1, 1, 1), (2, 2, 2)], ids=["one device", "data2-fsdp2-tensor2"])
-def test_gpu_programs_take_the_chunked_head_loss_with_autodiffs_loss_and_gradients(mesh_sizes, monkeypatch):
+def test_gpu_programs_take_the_chunked_head_loss_and_recomputing_attention_at_autodiffs_results(mesh_sizes,
+                                                                                                 monkeypatch):
     m = small_model(vocab_pad_multiple=8)
     params = init(m, scale=4.0)
     ids = np.random.default_rng(11).integers(0, m.vocab_size, (4, 17))
@@ -346,10 +355,12 @@ def test_gpu_programs_take_the_chunked_head_loss_with_autodiffs_loss_and_gradien
     expected, expected_grads = jax.value_and_grad(loss)(params)
     assert called == []  # a CPU program autodiffs optax's loss
     monkeypatch.setattr(model.sharding, "program_platform", lambda: "gpu")
-    monkeypatch.setattr(model, "QUERY_BLOCK", 16)  # the GPU program's blocks, at this length one
+    monkeypatch.setitem(model.QUERY_BLOCKS, "gpu", 8)  # two query blocks a row
+    recomputed, recomputing = [], model.recomputing_attention
+    monkeypatch.setattr(model, "recomputing_attention", lambda *a: recomputed.append(a[0].shape[1]) or recomputing(*a))
     monkeypatch.setattr(model, "LOSS_CHUNK_TOKENS", 24)  # 4 rows × chunks of 6, 6 and 4 positions
     got, grads = sharded_loss_and_grads(m, params, loss, mesh_sizes)
-    assert called == [6]
+    assert called == [6] and recomputed == [1] * m.n_layer + [8, 8] * m.n_layer  # the params' init, then the loss
     np.testing.assert_allclose(float(got), float(expected), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
                  grads, expected_grads)

@@ -49,7 +49,8 @@ class StepCost:
     model_flops: float  # a step, all devices, nanoGPT/PaLM convention
     xla_flops: float | None  # a step, all devices, by XLA's count; None where XLA gives none (GPUs)
     hbm_bytes: dict[str, float]  # device-memory bytes a step moves on one device, by part (`hbm_traffic`)
-    roofline_seconds: float | None  # max(model FLOPs / peak, bytes / bandwidth) of one device
+    attention_fill: float  # the share of a TPU's matrix units attention's products fill (1 elsewhere)
+    roofline_seconds: float | None  # max(model FLOPs at the fill they get / peak, bytes / bandwidth) of one device
     mfu_bound: float | None  # model_flops / (roofline_seconds × devices × the chip's peak)
 
 
@@ -59,18 +60,25 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
     The traffic is counted from the optimized HLO (`hbm_traffic.py`) on every target: XLA gives no
     cost analysis for GPUs, and on TPUs its "bytes accessed" counts a loop body once and charges
     operands already in on-chip memory. The compute side is the model's FLOPs, which MFU is
-    measured in: XLA's counts leave out custom kernels (the attention kernels).
+    measured in: XLA's counts leave out custom kernels (the attention kernels). Attention's
+    products have a head's width as one side (q·kᵀ contracts over it, p·v writes it), so on a
+    TPU whose matrix units are wider they fill only that share of them and take that much longer:
+    the bound never reads better than the chip can do.
     """
     config, devices = steps.config, len(target.devices)
-    model_flops = flops.flops_per_token(config.model, config.seq_len) * config.batch_size * config.seq_len
+    tokens = config.batch_size * config.seq_len
+    model_flops = flops.flops_per_token(config.model, config.seq_len) * tokens
+    attention_flops = flops.attention_flops_per_token(config.model, config.seq_len) * tokens
+    fill = target.fill_of(config.model.d_model // config.model.n_head)
     cost = steps.train.cost_analysis() or {}
     xla_flops = cost["flops"] * devices * config.microbatches if "flops" in cost else None
     traffic = hbm_traffic.count(steps.train.as_text())
     peak = flops.device_peak_flops(target.devices[0], config.model.dtype)
     if not peak or not target.memory_bytes_per_second:
-        return StepCost(model_flops, xla_flops, traffic, None, None)
-    seconds = max(model_flops / devices / peak, sum(traffic.values()) / target.memory_bytes_per_second)
-    return StepCost(model_flops, xla_flops, traffic, seconds, model_flops / (seconds * devices * peak))
+        return StepCost(model_flops, xla_flops, traffic, fill, None, None)
+    at_peak_flops = model_flops - attention_flops + attention_flops / fill
+    seconds = max(at_peak_flops / devices / peak, sum(traffic.values()) / target.memory_bytes_per_second)
+    return StepCost(model_flops, xla_flops, traffic, fill, seconds, model_flops / (seconds * devices * peak))
 
 
 def describe(steps: fit.Steps, target: targets.Target) -> str:
@@ -98,6 +106,11 @@ def describe(steps: fit.Steps, target: targets.Target) -> str:
         f"HBM traffic a step on one device, counted from the optimized HLO: {total / 1e9:.1f} GB",
     ]
     lines += [f"  {part:<28} {size / 1e9:7.1f} GB  {100 * size / total:3.0f}%" for part, size in cost.hbm_bytes.items()]
+    if cost.attention_fill < 1:
+        width = config.model.d_model // config.model.n_head
+        lines.append(f"attention's products fill {100 * cost.attention_fill:.0f}% of the "
+                     f"{target.matrix_unit_width}-wide matrix units with heads of {width}: the roofline counts "
+                     f"them at that share of the peak")
     if cost.mfu_bound is not None:
         lines.append(f"roofline from the model's FLOPs and the HLO's bytes: {cost.roofline_seconds * 1e3:.0f} ms a "
                      f"step, so MFU can be at most {100 * cost.mfu_bound:.0f}% (a bound from the compiler's program, "

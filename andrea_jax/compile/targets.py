@@ -18,14 +18,15 @@ from andrea_jax.config import ConfigError
 GIB = 2 ** 30
 GPU_TARGETS_DIR = pathlib.Path(__file__).parent / "gpu_targets"
 
-# libtpu's name for the generation, the HBM a chip lets a program use, and Cloud TPU's published HBM
-# bandwidth a chip. v4 and v5p chips are "megacore" (one device of two TensorCores, which their slice
-# names count) in a 3-D torus; v5e and v6e chips have one core each, in a 2-D torus.
+# libtpu's name for the generation, the HBM a chip lets a program use, Cloud TPU's published HBM
+# bandwidth a chip, and the side of its matrix units (MXUs: 128 × 128 systolic arrays, v6e's 256 × 256).
+# v4 and v5p chips are "megacore" (one device of two TensorCores, which their slice names count) in a
+# 3-D torus; v5e and v6e chips have one core each, in a 2-D torus.
 TPU_GENERATIONS = {
-    "v5e": ("v5e", int(15.75 * GIB), 819e9),
-    "v6e": ("v6e", int(31.25 * GIB), 1640e9),
-    "v4": ("v4", 32 * GIB, 1228e9),
-    "v5p": ("v5", 95 * GIB, 2765e9),
+    "v5e": ("v5e", int(15.75 * GIB), 819e9, 128),
+    "v6e": ("v6e", int(31.25 * GIB), 1640e9, 256),
+    "v4": ("v4", 32 * GIB, 1228e9, 128),
+    "v5p": ("v5", 95 * GIB, 2765e9, 128),
 }
 
 
@@ -37,6 +38,11 @@ class Target:
     memory_source: str
     num_hosts: int
     memory_bytes_per_second: float | None = None  # for the roofline
+    matrix_unit_width: int | None = None  # a TPU MXU's side; None where products fill the units (GPUs)
+
+    def fill_of(self, width: int) -> float:
+        """The share of a matrix unit a product fills when one of its sides is `width` (an attention head)."""
+        return min(1.0, width / self.matrix_unit_width) if self.matrix_unit_width else 1.0
 
 
 def _torus(chips: int, dimensions: int) -> list[int]:
@@ -57,7 +63,7 @@ def tpu(name: str) -> Target:
         raise ConfigError(f"--topology {name} is not a known accelerator; use a TPU slice such as v5e-1, v6e-8, "
                           f"v4-32 or v5p-16, or a GPU among {', '.join(gpu_names())}")
     generation, count = match.group(1), int(match.group(2))
-    prefix, hbm_bytes, hbm_bytes_per_second = TPU_GENERATIONS[generation]
+    prefix, hbm_bytes, hbm_bytes_per_second, matrix_unit_width = TPU_GENERATIONS[generation]
     megacore = generation in ("v4", "v5p")
     chips = count // 2 if megacore else count
     if (megacore and count % 2) or chips < (4 if megacore else 1) or chips & (chips - 1):
@@ -79,7 +85,7 @@ def tpu(name: str) -> Target:
                           f'pip install "jax[tpu]=={jax.__version__}"') from error
     devices = list(topology.devices)
     return Target(name, devices, hbm_bytes, f"{generation} HBM a chip", len({d.process_index for d in devices}),
-                  hbm_bytes_per_second)
+                  hbm_bytes_per_second, matrix_unit_width)
 
 
 def gpu_names() -> list[str]:
