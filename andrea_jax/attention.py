@@ -87,6 +87,20 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def products_computed(name: str, length: int) -> float:
+    """The share of attention's FLOPs in the model's formula (12·L·H·Q·T: the whole L × L square,
+    forward and backward) that the TPU implementation `name` computes at `length`. The splash kernel
+    skips the blocks above the causal diagonal (n(n + 1)/2 of the padded square's n² blocks), and its
+    fused backward recomputes q·kᵀ: 7 products for the formula's 6. XLA's attention on a TPU
+    computes the whole square."""
+    if name != "splash":
+        return 1.0
+    block = min(BLOCK, _round_up(length, LANES))
+    padded = _round_up(length, block)
+    blocks = padded // block
+    return (padded / length) ** 2 * (blocks + 1) / (2 * blocks) * 7 / 6
+
+
 def _splash_one_shard(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
                       block: int) -> jax.Array:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash

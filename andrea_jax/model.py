@@ -219,11 +219,19 @@ def _attention_bwd(dtype, residuals, d_out_BxLxHxK):
     float32. For float32 this is autodiff's backward (measured in bench/RESULTS.md).
     """
     q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS = residuals
+    return _attention_grads(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS, d_out_BxLxHxK, dtype)
+
+
+def _attention_grads(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS, d_out_BxLxHxK, dtype, row_sums_BxHxLx1=None):
+    """(d q, d k, d v, None for the mask) from the probabilities; softmax's row sums Σ_s p·dp are
+    taken from d p unless given."""
     f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
     g_BxLxHxK = d_out_BxLxHxK.astype(dtype)
     d_v_BxSxHxK = f32("bhqs,bqhk->bshk", probs_BxHxLxS.astype(dtype), g_BxLxHxK)
     d_probs_BxHxLxS = f32("bqhk,bshk->bhqs", g_BxLxHxK, v_BxSxHxK)
-    d_logits_BxHxLxS = probs_BxHxLxS * (d_probs_BxHxLxS - jnp.sum(d_probs_BxHxLxS * probs_BxHxLxS, -1, keepdims=True))
+    if row_sums_BxHxLx1 is None:
+        row_sums_BxHxLx1 = jnp.sum(d_probs_BxHxLxS * probs_BxHxLxS, -1, keepdims=True)
+    d_logits_BxHxLxS = probs_BxHxLxS * (d_probs_BxHxLxS - row_sums_BxHxLx1)
     d_logits_BxHxLxS = (d_logits_BxHxLxS / math.sqrt(q_BxLxHxK.shape[-1])).astype(dtype)
     d_q_BxLxHxK = f32("bhqs,bshk->bqhk", d_logits_BxHxLxS, k_BxSxHxK)
     d_k_BxSxHxK = f32("bhqs,bqhk->bshk", d_logits_BxHxLxS, q_BxLxHxK)
@@ -257,22 +265,15 @@ def _recomputing_fwd(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype):
 
 def _recomputing_bwd(dtype, residuals, d_out_BxLxHxK):
     """`_attention_bwd` with the probabilities recomputed, and Σ_s p·dp = d_out · out per row."""
-    # The barrier keeps XLA from taking the recomputed product for the forward's (common
-    # subexpressions), which would keep the forward's float32 scores alive until here.
-    q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, out_BxLxHxK, log_sum_BxHxLx1 = jax.lax.optimization_barrier(residuals)
-    f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+    # The barrier (with d_out in it, so that nothing runs before the backward reaches this block)
+    # keeps XLA from taking the recomputed product for the forward's (common subexpressions),
+    # which would keep the forward's float32 scores alive until here.
+    residuals, d_out_BxLxHxK = jax.lax.optimization_barrier((residuals, d_out_BxLxHxK))
+    q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, out_BxLxHxK, log_sum_BxHxLx1 = residuals
     probs_BxHxLxS = jnp.exp(_attention_logits(q_BxLxHxK, k_BxSxHxK, causal_LxS) - log_sum_BxHxLx1)
-    g_BxLxHxK = d_out_BxLxHxK.astype(dtype)
-    d_v_BxSxHxK = f32("bhqs,bqhk->bshk", probs_BxHxLxS.astype(dtype), g_BxLxHxK)
-    d_probs_BxHxLxS = f32("bqhk,bshk->bhqs", g_BxLxHxK, v_BxSxHxK)
-    row_sums_BxHxLx1 = f32("bqhk,bqhk->bhq", d_out_BxLxHxK.astype(jnp.float32),
-                           out_BxLxHxK.astype(jnp.float32))[..., None]
-    d_logits_BxHxLxS = probs_BxHxLxS * (d_probs_BxHxLxS - row_sums_BxHxLx1)
-    d_logits_BxHxLxS = (d_logits_BxHxLxS / math.sqrt(q_BxLxHxK.shape[-1])).astype(dtype)
-    d_q_BxLxHxK = f32("bhqs,bshk->bqhk", d_logits_BxHxLxS, k_BxSxHxK)
-    d_k_BxSxHxK = f32("bhqs,bqhk->bshk", d_logits_BxHxLxS, q_BxLxHxK)
-    return (d_q_BxLxHxK.astype(q_BxLxHxK.dtype), d_k_BxSxHxK.astype(k_BxSxHxK.dtype),
-            d_v_BxSxHxK.astype(v_BxSxHxK.dtype), None)
+    row_sums_BxLxH = jnp.sum(d_out_BxLxHxK.astype(jnp.float32) * out_BxLxHxK.astype(jnp.float32), -1)
+    return _attention_grads(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS, d_out_BxLxHxK, dtype,
+                            row_sums_BxLxH.transpose(0, 2, 1)[..., None])
 
 
 recomputing_attention.defvjp(_recomputing_fwd, _recomputing_bwd)

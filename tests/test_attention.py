@@ -134,3 +134,12 @@ def test_a_run_recorded_with_a_kernel_this_machine_lacks_evaluates_with_this_mac
     assert attention.for_saved_run(small_model(attention="cudnn", dtype="bfloat16"), FakeDevice("gpu", "9.0")) == "cudnn"
     # A float32 run trained on a TPU, evaluated on an H100: cuDNN has no float32 kernel.
     assert attention.for_saved_run(small_model(attention="splash", dtype="float32"), FakeDevice("gpu", "9.0")) == "xla"
+
+
+def test_the_roofline_counts_the_products_each_tpu_attention_computes():
+    # Splash at 1024 in blocks of 512: 3 of the 4 blocks, and the fused backward's second q·kᵀ (7 of 6).
+    assert attention.products_computed("splash", 1024) == pytest.approx(3 / 4 * 7 / 6)
+    assert attention.products_computed("splash", 512) == pytest.approx(7 / 6)  # one block: the whole square
+    # 200 queries pad to one block of 256: the padded square is computed whole.
+    assert attention.products_computed("splash", 200) == pytest.approx((256 / 200) ** 2 * 7 / 6)
+    assert attention.products_computed("xla", 1024) == 1.0  # on a TPU: the whole square, six products

@@ -266,6 +266,14 @@ def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16(platfo
     for got, want in zip(vjp16(g.astype(jnp.bfloat16)), reference):
         assert got.dtype == jnp.float32
         assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+    # float16 (a T4's) under a loss scale of 2¹²: finite, and within float16's error once unscaled.
+    half, vjp_half = ours(jnp.float16)
+    assert half.dtype == jnp.float16
+    for got, want in zip(vjp_half((4096 * g).astype(jnp.float16)), reference):
+        assert np.all(np.isfinite(got)) and np.abs(got / 4096 - want).max() <= 0.005 * np.abs(want).max()
+    if platform == "gpu":  # what the backward keeps: no [B, H, L, S] array, only [B, H, L] statistics
+        kept = model._recomputing_fwd(q, k, v, causal, jnp.float32)[1]
+        assert {x.shape for x in kept} == {(2, 7, 3, 16), (2, 12, 3, 16), (7, 12), (2, 3, 7, 1)}
 
 
 def test_layer_norm_backward_is_autodiffs_in_float32_and_close_in_bfloat16():

@@ -18,7 +18,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from andrea_jax import fit, flops, resolve, sharding
+from andrea_jax import attention, fit, flops, resolve, sharding
 from andrea_jax.compile import hbm_traffic, targets
 from andrea_jax.runtime import cli
 from andrea_jax.config import ConfigError, validate
@@ -62,7 +62,9 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
     operands already in on-chip memory. The compute side is the model's FLOPs, which MFU is
     measured in: XLA's counts leave out custom kernels (the attention kernels). Attention's
     products have a head's width as one side (q·kᵀ contracts over it, p·v writes it), so on a
-    TPU whose matrix units are wider they fill only that share of them and take that much longer:
+    TPU whose matrix units are wider they fill only that share of them and take that much longer.
+    There the compute side is the larger of the model's FLOPs at peak and the FLOPs the chip runs
+    (attention's as its kernel computes them, `attention.products_computed`) at the rate they get:
     the bound never reads better than the chip can do.
     """
     config, devices = steps.config, len(target.devices)
@@ -76,7 +78,10 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
     peak = flops.device_peak_flops(target.devices[0], config.model.dtype)
     if not peak or not target.memory_bytes_per_second:
         return StepCost(model_flops, xla_flops, traffic, fill, None, None)
-    at_peak_flops = model_flops - attention_flops + attention_flops / fill
+    at_peak_flops = model_flops
+    if fill < 1:
+        computed = attention_flops * attention.products_computed(config.model.attention, config.seq_len)
+        at_peak_flops = max(model_flops, model_flops - attention_flops + computed / fill)
     seconds = max(at_peak_flops / devices / peak, sum(traffic.values()) / target.memory_bytes_per_second)
     return StepCost(model_flops, xla_flops, traffic, fill, seconds, model_flops / (seconds * devices * peak))
 
@@ -110,7 +115,7 @@ def describe(steps: fit.Steps, target: targets.Target) -> str:
         width = config.model.d_model // config.model.n_head
         lines.append(f"attention's products fill {100 * cost.attention_fill:.0f}% of the "
                      f"{target.matrix_unit_width}-wide matrix units with heads of {width}: the roofline counts "
-                     f"them at that share of the peak")
+                     f"them, as {config.model.attention} computes them, at that share of the peak")
     if cost.mfu_bound is not None:
         lines.append(f"roofline from the model's FLOPs and the HLO's bytes: {cost.roofline_seconds * 1e3:.0f} ms a "
                      f"step, so MFU can be at most {100 * cost.mfu_bound:.0f}% (a bound from the compiler's program, "

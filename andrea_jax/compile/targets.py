@@ -41,8 +41,11 @@ class Target:
     matrix_unit_width: int | None = None  # a TPU MXU's side; None where products fill the units (GPUs)
 
     def fill_of(self, width: int) -> float:
-        """The share of a matrix unit a product fills when one of its sides is `width` (an attention head)."""
-        return min(1.0, width / self.matrix_unit_width) if self.matrix_unit_width else 1.0
+        """The share of a matrix unit a product fills when one of its sides is `width` (an attention head):
+        that side takes whole units, the last one partly filled."""
+        if not self.matrix_unit_width:
+            return 1.0
+        return width / (self.matrix_unit_width * math.ceil(width / self.matrix_unit_width))
 
 
 def _torus(chips: int, dimensions: int) -> list[int]:
