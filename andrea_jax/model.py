@@ -544,11 +544,6 @@ def _log_sum_exp(logits_BxCxV: jax.Array, *summed_BxCxV: jax.Array) -> tuple[jax
     return (top_BxC + jnp.log(sum_BxC), *sums_BxC)
 
 
-def _log_normalizer_and_target(logits_BxCxV: jax.Array, is_target_BxCxV: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's log-sum-exp and its target's logit (a sum with one nonzero term: exact), in one pass."""
-    return _log_sum_exp(logits_BxCxV, jnp.where(is_target_BxCxV, logits_BxCxV, 0.0))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def chunked_tied_cross_entropy(x_BxLxD: jax.Array, token_embed: jax.Array, targets_BxL: jax.Array,
                                vocab_size: int, dtype, chunk_len: int) -> jax.Array:
@@ -564,7 +559,8 @@ def _cross_entropy_fwd(x_BxLxD, token_embed, targets_BxL, vocab_size, dtype, chu
     for start, stop in _position_chunks(x_BxLxD.shape[1], chunk_len):
         logits_BxCxV = _chunk_logits(x_BxLxD[:, start:stop], token_embed, vocab_size, dtype)
         is_target_BxCxV = targets_BxL[:, start:stop, None] == jnp.arange(token_embed.shape[0])
-        log_normalizer_BxC, target_BxC = _log_normalizer_and_target(logits_BxCxV, is_target_BxCxV)
+        # The target's logit rides in the same pass, as a sum with one nonzero term (exact).
+        log_normalizer_BxC, target_BxC = _log_sum_exp(logits_BxCxV, jnp.where(is_target_BxCxV, logits_BxCxV, 0.0))
         losses.append(log_normalizer_BxC - target_BxC)
         log_normalizers.append(log_normalizer_BxC)
     log_normalizer_BxL = jnp.concatenate(log_normalizers, axis=1)

@@ -2,9 +2,9 @@
 
 Every top-level instruction reads its operands from device memory and writes its output there
 (a fusion's inner values stay on chip), so a step's traffic is the sum of their bytes; a `while`
-body counts as many times as it runs (XLA's known trip count, or its condition's bound). Values in another memory space (a TPU's VMEM
-or SMEM, `S(n)` in the layout) are on chip and not counted; an asynchronous copy counts its
-read at the start and its write at the end. Tile padding is not counted. Each instruction is
+body counts as many times as it runs (XLA's known trip count, or its condition's bound). Values
+in another memory space (a TPU's VMEM or SMEM, `S(n)` in the layout) are on chip and not counted;
+an asynchronous copy counts its read at the start and its write at the end. Tile padding is not counted. Each instruction is
 charged to a part of the model by the source path XLA keeps in its metadata (Flax module names).
 """
 
@@ -93,12 +93,20 @@ def part_of(instruction: Instruction, computations: dict[str, list[Instruction]]
     return "other"
 
 
+def _called_root(instruction: Instruction, attribute: str,
+                 computations: dict[str, list[Instruction]]) -> tuple[Instruction | None, dict[str, Instruction]]:
+    """The root of the computation `instruction` names by `attribute` (calls=, condition=), and that
+    computation's instructions by name; (None, {}) where it names none."""
+    called = re.search(rf"{attribute}=%([\w.\-]+)", instruction.attributes)
+    body = computations.get(called.group(1), []) if called else []
+    return (body[-1] if body else None), {i.name: i for i in body}
+
+
 def _fused_root(instruction: Instruction, computations: dict[str, list[Instruction]]) -> str | None:
     """The opcode a fusion ends in, looking through bitcasts (a fused transpose is a layout copy)."""
-    called = re.search(r"calls=%([\w.\-]+)", instruction.attributes) if instruction.opcode == "fusion" else None
-    body = computations.get(called.group(1), []) if called else []
-    by_name = {i.name: i for i in body}
-    root = body[-1] if body else None
+    if instruction.opcode != "fusion":
+        return None
+    root, by_name = _called_root(instruction, "calls", computations)
     while root is not None and root.opcode == "bitcast" and root.operands:
         root = by_name.get(root.operands[0])
     return root.opcode if root else None
@@ -110,10 +118,7 @@ def trip_count(loop: Instruction, computations: dict[str, list[Instruction]]) ->
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attributes)
     if known:
         return int(known.group(1))
-    condition = re.search(r"condition=%([\w.\-]+)", loop.attributes)
-    body = computations.get(condition.group(1), []) if condition else []
-    by_name = {i.name: i for i in body}
-    root = body[-1] if body else None
+    root, by_name = _called_root(loop, "condition", computations)
     if root is None or root.opcode != "compare" or "direction=LT" not in root.attributes or len(root.operands) != 2:
         return 1
     bound = by_name.get(root.operands[1])

@@ -80,7 +80,8 @@ class StreamedDocuments:
     _KEPT_STATES = 4  # a build asks for the state of the read before the one its reader runs ahead on
 
     def __init__(self, open_texts: Callable[..., Iterator[str]], limit: int = sys.maxsize,
-                 transient: Callable[[BaseException], bool] = lambda error: False, described: str = "the stream") -> None:
+                 transient: Callable[[BaseException], bool] = lambda error: False,
+                 described: str = "the stream") -> None:
         self.open_texts, self.limit, self.transient, self.described = open_texts, limit, transient, described
         self._texts: Iterator[str] | None = None
         self._position = 0

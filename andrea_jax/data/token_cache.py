@@ -191,7 +191,8 @@ def _encode_into(out, documents: Documents, tokenizer: Tokenizer, split: str, pr
                 estimated = True
                 text_left = (budget - num_tokens) * num_bytes / num_tokens
                 seconds_left = text_left / rate
-                duration = f"{seconds_left / 3600:.1f} hours" if seconds_left >= 3600 else f"{seconds_left / 60:.0f} minutes"
+                duration = (f"{seconds_left / 3600:.1f} hours" if seconds_left >= 3600
+                            else f"{seconds_left / 60:.0f} minutes")
                 print(f"the {split} split has {budget - num_tokens:,} tokens left to encode, about "
                       f"{text_left / 1e9:.2f} GB of text at its {num_bytes / num_tokens:.2f} bytes a token so far; "
                       f"at this machine's {rate / 1e6:.1f} MB/s that takes about {duration}", flush=True)
