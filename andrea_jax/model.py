@@ -172,11 +172,26 @@ class LayerNorm(nn.Module):
         return norm(x_BxLxD, scale, bias, self.epsilon, self.dtype)
 
 
-def _attention_logits(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, causal_LxS: jax.Array) -> jax.Array:
-    """q·kᵀ/√K + mask in float32."""
-    logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxSxHxK,
-                                preferred_element_type=jnp.float32) / math.sqrt(q_BxLxHxK.shape[-1])
+def _attention_logits(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, causal_LxS: jax.Array,
+                      scores_dtype=jnp.float32) -> jax.Array:
+    """q·kᵀ/√K + mask in float32, the product written in `scores_dtype`: in float16 (`_scores_dtype`)
+    from q/√K, so that the products stay in float16's range."""
+    if scores_dtype == jnp.float32:
+        logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxSxHxK,
+                                    preferred_element_type=jnp.float32) / math.sqrt(q_BxLxHxK.shape[-1])
+    else:
+        scaled_q_BxLxHxK = (q_BxLxHxK / math.sqrt(q_BxLxHxK.shape[-1])).astype(q_BxLxHxK.dtype)
+        logits_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", scaled_q_BxLxHxK, k_BxSxHxK,
+                                    preferred_element_type=scores_dtype).astype(jnp.float32)
     return jnp.where(causal_LxS, logits_BxHxLxS, jnp.finfo(jnp.float32).min)
+
+
+def _scores_dtype(dtype) -> Any:
+    """The type the recomputing backward's [B, H, L, S] products are written in: float16 when computing
+    in float16 (a T4's, as PyTorch's autocast writes them; half the bytes of a T4 step's largest
+    arrays, bench/RESULTS.md), else float32 (bfloat16's 8 bits would put 1-2% errors in the
+    probabilities)."""
+    return jnp.float16 if jnp.dtype(dtype) == jnp.float16 else jnp.float32
 
 
 def _attention_probs(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, causal_LxS: jax.Array) -> jax.Array:
@@ -222,17 +237,25 @@ def _attention_bwd(dtype, residuals, d_out_BxLxHxK):
     return _attention_grads(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS, d_out_BxLxHxK, dtype)
 
 
-def _attention_grads(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS, d_out_BxLxHxK, dtype, row_sums_BxHxLx1=None):
+def _attention_grads(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS, d_out_BxLxHxK, dtype, row_sums_BxHxLx1=None,
+                     scores_dtype=jnp.float32):
     """(d q, d k, d v, None for the mask) from the probabilities; softmax's row sums Σ_s p·dp are
-    taken from d p unless given."""
+    taken from d p unless given; d p is written in `scores_dtype`."""
     f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
     g_BxLxHxK = d_out_BxLxHxK.astype(dtype)
     d_v_BxSxHxK = f32("bhqs,bqhk->bshk", probs_BxHxLxS.astype(dtype), g_BxLxHxK)
-    d_probs_BxHxLxS = f32("bqhk,bshk->bhqs", g_BxLxHxK, v_BxSxHxK)
-    if row_sums_BxHxLx1 is None:
-        row_sums_BxHxLx1 = jnp.sum(d_probs_BxHxLxS * probs_BxHxLxS, -1, keepdims=True)
-    d_logits_BxHxLxS = probs_BxHxLxS * (d_probs_BxHxLxS - row_sums_BxHxLx1)
-    d_logits_BxHxLxS = (d_logits_BxHxLxS / math.sqrt(q_BxLxHxK.shape[-1])).astype(dtype)
+    root_k = math.sqrt(q_BxLxHxK.shape[-1])
+    if scores_dtype == jnp.float32:
+        d_probs_BxHxLxS = f32("bqhk,bshk->bhqs", g_BxLxHxK, v_BxSxHxK)
+        if row_sums_BxHxLx1 is None:
+            row_sums_BxHxLx1 = jnp.sum(d_probs_BxHxLxS * probs_BxHxLxS, -1, keepdims=True)
+        d_logits_BxHxLxS = probs_BxHxLxS * (d_probs_BxHxLxS - row_sums_BxHxLx1) / root_k
+    else:  # 1/√K goes into the cotangent before the product (exact for heads of 64): d p then stays
+        # in float16's range under a loss scale √K times larger
+        d_probs_BxHxLxS = jnp.einsum("bqhk,bshk->bhqs", (g_BxLxHxK / root_k).astype(dtype), v_BxSxHxK,
+                                     preferred_element_type=scores_dtype).astype(jnp.float32)
+        d_logits_BxHxLxS = probs_BxHxLxS * (d_probs_BxHxLxS - row_sums_BxHxLx1 / root_k)
+    d_logits_BxHxLxS = d_logits_BxHxLxS.astype(dtype)
     d_q_BxLxHxK = f32("bhqs,bshk->bqhk", d_logits_BxHxLxS, k_BxSxHxK)
     d_k_BxSxHxK = f32("bhqs,bqhk->bshk", d_logits_BxHxLxS, q_BxLxHxK)
     return (d_q_BxLxHxK.astype(q_BxLxHxK.dtype), d_k_BxSxHxK.astype(k_BxSxHxK.dtype),
@@ -255,7 +278,7 @@ def recomputing_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype):
 
 
 def _recomputing_fwd(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, dtype):
-    logits_BxHxLxS = _attention_logits(q_BxLxHxK, k_BxSxHxK, causal_LxS)
+    logits_BxHxLxS = _attention_logits(q_BxLxHxK, k_BxSxHxK, causal_LxS, _scores_dtype(dtype))
     log_sum_BxHxLx1 = _log_sum_exp(logits_BxHxLxS)[0][..., None]
     probs_BxHxLxS = jnp.exp(logits_BxHxLxS - log_sum_BxHxLx1)
     out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxS.astype(dtype), v_BxSxHxK,
@@ -270,10 +293,11 @@ def _recomputing_bwd(dtype, residuals, d_out_BxLxHxK):
     # which would keep the forward's float32 scores alive until here.
     residuals, d_out_BxLxHxK = jax.lax.optimization_barrier((residuals, d_out_BxLxHxK))
     q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, out_BxLxHxK, log_sum_BxHxLx1 = residuals
-    probs_BxHxLxS = jnp.exp(_attention_logits(q_BxLxHxK, k_BxSxHxK, causal_LxS) - log_sum_BxHxLx1)
+    scores_dtype = _scores_dtype(dtype)
+    probs_BxHxLxS = jnp.exp(_attention_logits(q_BxLxHxK, k_BxSxHxK, causal_LxS, scores_dtype) - log_sum_BxHxLx1)
     row_sums_BxLxH = jnp.sum(d_out_BxLxHxK.astype(jnp.float32) * out_BxLxHxK.astype(jnp.float32), -1)
     return _attention_grads(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS, d_out_BxLxHxK, dtype,
-                            row_sums_BxLxH.transpose(0, 2, 1)[..., None])
+                            row_sums_BxLxH.transpose(0, 2, 1)[..., None], scores_dtype)
 
 
 recomputing_attention.defvjp(_recomputing_fwd, _recomputing_bwd)

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -274,6 +275,11 @@ def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16(platfo
     if platform == "gpu":  # what the backward keeps: no [B, H, L, S] array, only [B, H, L] statistics
         kept = model._recomputing_fwd(q, k, v, causal, jnp.float32)[1]
         assert {x.shape for x in kept} == {(2, 7, 3, 16), (2, 12, 3, 16), (7, 12), (2, 3, 7, 1)}
+
+        def score_products(dtype):  # the types of the [B, H, L, S] products: q·kᵀ twice, d_out·vᵀ once
+            program = jax.jit(lambda g: ours(dtype)[1](g)).lower(g.astype(dtype)).as_text()
+            return re.findall(r"dot_general.*-> tensor<2x3x7x12x(\w+)>", program)
+        assert score_products(jnp.float16) == ["f16"] * 3 and score_products(jnp.bfloat16) == ["f32"] * 3
 
 
 def test_layer_norm_backward_is_autodiffs_in_float32_and_close_in_bfloat16():
