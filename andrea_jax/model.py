@@ -240,7 +240,7 @@ def _attention_bwd(dtype, residuals, d_out_BxLxHxK):
 def _attention_grads(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, probs_BxHxLxS, d_out_BxLxHxK, dtype, row_sums_BxHxLx1=None,
                      scores_dtype=jnp.float32):
     """(d q, d k, d v, None for the mask) from the probabilities; softmax's row sums Σ_s p·dp are
-    taken from d p unless given; d p is written in `scores_dtype`."""
+    taken from d p unless given; d p is written in `scores_dtype` (a narrower one needs the row sums)."""
     f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
     g_BxLxHxK = d_out_BxLxHxK.astype(dtype)
     d_v_BxSxHxK = f32("bhqs,bqhk->bshk", probs_BxHxLxS.astype(dtype), g_BxLxHxK)
