@@ -24,17 +24,33 @@ def small_config(**overrides):
     return c
 
 
+_INITIAL_STATES = {}
+
+
+def initial_state(config, tx):
+    """The state at init on the host, once for each setting but the mesh: every mesh starts from it. (An
+    init sharded over a mesh compiles anew for each mesh; the loop's own sharded init is checked against
+    one device by test_train_loop.py.)"""
+    setting = {key: value for key, value in config.to_dict().items() if key != "mesh"}
+    key = repr(sorted(setting.items()))
+    if key not in _INITIAL_STATES:
+        init = jax.jit(lambda r: sharding.unbox(train_step.init_state(r, config, tx)))
+        _INITIAL_STATES[key] = jax.device_get(init(jax.random.key(0)))
+    return _INITIAL_STATES[key]
+
+
 def run_steps(config, mesh_sizes, num_steps=4, batches=None):
     """Losses (and final params) of `num_steps` steps on a (data, fsdp, tensor) mesh."""
     config.mesh.update(dict(zip(("data", "fsdp", "tensor"), mesh_sizes)))
     mesh = sharding.make_mesh(config, jax.devices()[: int(np.prod(mesh_sizes))])
     rules = sharding.rules(config)
     tx = optimizer.make(config)
+    host_state = initial_state(config, tx)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         init = partial(train_step.init_state, config=config, tx=tx)
         boxed = jax.eval_shape(init, jax.random.key(0))
         shardings = sharding.logical_shardings(boxed, mesh, rules)
-        state = jax.jit(lambda r: sharding.unbox(init(r)), out_shardings=shardings)(jax.random.key(0))
+        state = jax.device_put(host_state, shardings)
         batch_sharding = sharding.batch_sharding(mesh)
         step = jax.jit(train_step.make_train_step(config, tx, optimizer.learning_rate_schedule(config)),
                        in_shardings=(shardings, batch_sharding),
