@@ -72,11 +72,11 @@ def test_a_loop_without_a_known_trip_count_runs_to_its_condition_bound():
 
 
 def test_a_compiled_step_is_charged_to_the_parts_of_the_model():
-    from tests.test_model import small_model
+    from tests.test_model import params_like_init, small_model
     from andrea_jax import model
 
     m = small_model(n_layer=1)
-    params = model.init_params(m, jax.random.key(0))
+    params = params_like_init(m)
     ids = jnp.zeros((2, 16), jnp.int32)
     loss = lambda p: model.Transformer(m).apply({"params": p}, ids).mean()
     hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()

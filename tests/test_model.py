@@ -37,6 +37,30 @@ def init(m, seed=0, scale=1.0):
                                      else 0.0), params)
 
 
+def params_like_init(m, seed=0):
+    """Params drawn as the model's init draws them (weights normal with std 0.02, the residual projections' 0.02 /
+    sqrt(2 n_layer), norms' gains 1, biases 0), by NumPy: for tests where the init's own values are not the point
+    (the init outside jit compiles a random draw for each new parameter shape, about a second each on XLA:CPU)."""
+    shapes = nn.meta.unbox(jax.eval_shape(lambda key: model.init_params(m, key), jax.random.key(0)))
+    rng = np.random.default_rng(seed)
+    residual_std = model.INIT_STD / math.sqrt(2 * m.n_layer)
+
+    def draw(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if "bias" in name or "scale" in name:
+            return np.full(leaf.shape, float("scale" in name))
+        std = residual_std if "out_kernel" in name or "proj_kernel" in name else model.INIT_STD
+        return std * rng.standard_normal(leaf.shape)
+
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: jnp.asarray(draw(path, leaf), jnp.float32), shapes)
+
+
+def normals(seed, *shapes, dtype=np.float32):
+    """Standard normal arrays drawn by NumPy (a jax.random draw outside jit compiles for each new shape)."""
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in shapes]
+
+
 def forward(m, params, ids, **kw):
     return model.Transformer(m).apply({"params": params}, jnp.asarray(ids), **kw)
 
@@ -244,9 +268,7 @@ def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16(platfo
     monkeypatch.setattr(model.sharding, "program_platform", lambda: platform)
     taken, recomputing = [], model.recomputing_attention
     monkeypatch.setattr(model, "recomputing_attention", lambda *a: taken.append(1) or recomputing(*a))
-    keys = jax.random.split(jax.random.key(8), 4)
-    q, k, v, g = (jax.random.normal(key, shape) for key, shape in
-                  zip(keys, [(2, 7, 3, 16), (2, 12, 3, 16), (2, 12, 3, 16), (2, 7, 3, 16)]))
+    q, k, v, g = normals(8, (2, 7, 3, 16), (2, 12, 3, 16), (2, 12, 3, 16), (2, 7, 3, 16))
     causal = jnp.tril(jnp.ones((12, 12), bool))[5:12]
     autodiff = lambda dtype: jax.vjp(lambda *qkv: model.softmax_attention(
         *(x.astype(dtype) for x in qkv), causal, dtype, lambda p: p), q, k, v)
@@ -283,10 +305,9 @@ def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16(platfo
 
 
 def test_layer_norm_backward_is_autodiffs_in_float32_and_close_in_bfloat16():
-    keys = jax.random.split(jax.random.key(9), 4)
-    x = 3.0 * jax.random.normal(keys[0], (2, 5, 48)) + 1.5  # rows away from mean 0 and variance 1
-    scale, bias = 1 + 0.3 * jax.random.normal(keys[1], (48,)), 0.2 * jax.random.normal(keys[2], (48,))
-    g = jax.random.normal(keys[3], (2, 5, 48))
+    x, scale, bias, g = normals(9, (2, 5, 48), (48,), (48,), (2, 5, 48))
+    x = 3.0 * x + 1.5  # rows away from mean 0 and variance 1
+    scale, bias = 1 + 0.3 * scale, 0.2 * bias
     autodiff = lambda dtype: jax.vjp(lambda *a: model.layer_norm(*a, 1e-5, dtype), x, scale, bias)
     ours = lambda dtype: jax.vjp(lambda *a: model.fused_layer_norm(*a, 1e-5, dtype), x, scale, bias)
     (out, vjp), (ref_out, ref_vjp) = ours(jnp.float32), autodiff(jnp.float32)
@@ -321,11 +342,11 @@ def test_gpu_programs_take_the_written_out_layer_norm_backward_and_others_autodi
 
 def test_chunked_cross_entropy_is_optax_over_the_whole_logits_in_float32_and_close_in_bfloat16():
     m = small_model(vocab_pad_multiple=8)  # 101 tokens in 104 rows: the padding is masked
-    keys = jax.random.split(jax.random.key(10), 4)
-    x = jax.random.normal(keys[0], (2, 7, 64))
-    embed = 0.5 * jax.random.normal(keys[1], (104, 64))
-    targets = jax.random.randint(keys[2], (2, 7), 0, m.vocab_size)
-    g = jax.random.uniform(keys[3], (2, 7))
+    x, embed = normals(10, (2, 7, 64), (104, 64))
+    embed = 0.5 * embed
+    rng = np.random.default_rng(11)
+    targets = jnp.asarray(rng.integers(0, m.vocab_size, (2, 7)), jnp.int32)
+    g = jnp.asarray(rng.uniform(size=(2, 7)), jnp.float32)
     autodiff = lambda dtype: jax.vjp(lambda x, e: optax.softmax_cross_entropy_with_integer_labels(
         model.tied_logits(x.astype(dtype), e, small_model(vocab_pad_multiple=8, dtype=jnp.dtype(dtype).name)),
         targets), x, embed)
@@ -410,7 +431,7 @@ def test_the_mlp_keeps_its_pre_activation_for_the_backward_in_the_compute_dtype_
     """The widest activation of a block, [B, L, F], is saved in bfloat16 and never in float32;
     and the gradient through the recomputed activation is autodiff's of the same float32 function."""
     mlp = model.MLP(mlp_dim=256, dtype=jnp.bfloat16, dropout=0.0, residual_std=0.02)
-    x = jax.random.normal(jax.random.key(0), (2, 8, 64), jnp.bfloat16)
+    x, = normals(0, (2, 8, 64), dtype=jnp.bfloat16)
     variables = mlp.init(jax.random.key(1), x, True)
     loss = lambda x: mlp.apply(variables, x, True).astype(jnp.float32).sum()
     printed = io.StringIO()
@@ -419,7 +440,7 @@ def test_the_mlp_keeps_its_pre_activation_for_the_backward_in_the_compute_dtype_
     saved = [line.split()[0] for line in printed.getvalue().splitlines()]
     assert "bf16[2,8,256]" in saved and "f32[2,8,256]" not in saved
 
-    up = jax.random.normal(jax.random.key(2), (4, 256), jnp.bfloat16)
+    up, = normals(2, (4, 256), dtype=jnp.bfloat16)
     gelu = model.ACTIVATIONS["gelu_tanh"]
     grad = jax.grad(lambda u: model.activate(gelu, u).astype(jnp.float32).sum())(up)
     expected = jax.grad(lambda u: gelu(u.astype(jnp.float32)).sum())(up)

@@ -8,8 +8,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from andrea_jax import model, precision, train_step
+from andrea_jax import precision, train_step
 from andrea_jax.config import ConfigError, base_config, validate
+from tests.test_model import normals, params_like_init
 
 CPUINFO_WITH_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile\n"
 CPUINFO_WITHOUT = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n"
@@ -60,12 +61,10 @@ SPECS = {  # every einsum the model routes through precision.matmul, at small sh
 @pytest.mark.parametrize("spec", SPECS)
 def test_low_precision_backward_is_the_bf16_product_of_the_rounded_cotangent(spec):
     shape_a, shape_b = SPECS[spec]
-    ka, kb, kg = jax.random.split(jax.random.key(0), 3)
-    a = jax.random.normal(ka, shape_a).astype(jnp.bfloat16)
-    b = jax.random.normal(kb, shape_b).astype(jnp.bfloat16)
+    a, b = normals(0, shape_a, shape_b, dtype=jnp.bfloat16)
     out, vjp = jax.vjp(lambda x, y: precision.matmul(x, y, spec, jnp.bfloat16, jnp.float32), a, b)
     assert out.dtype == jnp.float32
-    g = jax.random.normal(kg, out.shape, jnp.float32)
+    g, = normals(1, out.shape)
     grad_a, grad_b = vjp(g)
     assert grad_a.dtype == grad_b.dtype == jnp.bfloat16
 
@@ -100,8 +99,7 @@ def test_bf16_gradient_runs_every_weight_matmul_in_bf16_forward_and_backward():
     m = c.model
     m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.max_len, m.vocab_size = 2, 32, 2, 64, 16, 50
     m.dtype = "bfloat16"
-    params = jax.tree.map(lambda p: p.value if hasattr(p, "value") else p,
-                          model.init_params(m, jax.random.key(0)), is_leaf=lambda p: hasattr(p, "value"))
+    params = params_like_init(m)
     batch = jnp.zeros((2, 9), jnp.int32)
     grad_fn = jax.grad(lambda p, b: train_step.token_losses(p, m, b)[0].mean())
     text = jax.jit(grad_fn).lower(params, batch).as_text()
@@ -122,9 +120,8 @@ def test_bf16_gradient_runs_at_odd_shapes_and_matches_float32(d_model, n_head, v
     c = base_config()
     m = c.model
     m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.max_len, m.vocab_size = 1, d_model, n_head, 4 * d_model, length, vocab
-    params = jax.tree.map(lambda p: p.value if hasattr(p, "value") else p,
-                          model.init_params(m, jax.random.key(0)), is_leaf=lambda p: hasattr(p, "value"))
-    batch_ids = jax.random.randint(jax.random.key(1), (batch, length + 1), 0, vocab)
+    params = params_like_init(m)
+    batch_ids = jnp.asarray(np.random.default_rng(1).integers(0, vocab, (batch, length + 1)), jnp.int32)
     grads = {}
     for dtype in ("bfloat16", "float32"):
         m.dtype = dtype
@@ -141,10 +138,9 @@ def test_float32_backward_equals_autodiff(spec):
     # The written-out backward serves float32 too (the default model): there it must
     # be autodiff's, to float32 rounding.
     shape_a, shape_b = SPECS[spec]
-    ka, kb, kg = jax.random.split(jax.random.key(3), 3)
-    a, b = jax.random.normal(ka, shape_a), jax.random.normal(kb, shape_b)
+    a, b = normals(3, shape_a, shape_b)
     out, vjp = jax.vjp(lambda x, y: precision.matmul(x, y, spec, jnp.float32, jnp.float32), a, b)
-    g = jax.random.normal(kg, out.shape)
+    g, = normals(4, out.shape)
     ref_out, ref_vjp = jax.vjp(lambda x, y: jnp.einsum(spec, x, y), a, b)
     np.testing.assert_array_equal(out, ref_out)
     for got, want in zip(vjp(g), ref_vjp(g)):
@@ -191,9 +187,7 @@ def test_products_return_the_compute_dtype_on_accelerators_and_float32_then_roun
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_a_bias_added_in_the_product_on_gpus_is_autodiffs_in_float32_and_close_in_bfloat16(platform, monkeypatch):
     monkeypatch.setattr(precision.sharding, "program_platform", lambda: platform)
-    ka, kb, kc, kg = jax.random.split(jax.random.key(4), 4)
-    x, w = jax.random.normal(ka, (2, 5, 8)), jax.random.normal(kb, (8, 6))
-    bias, g = jax.random.normal(kc, (6,)), jax.random.normal(kg, (2, 5, 6))
+    x, w, bias, g = normals(4, (2, 5, 8), (8, 6), (6,), (2, 5, 6))
     ours = lambda dtype: jax.vjp(lambda *a: precision.matmul(*a[:2], "bld,df->blf", dtype, dtype, bias=a[2]),
                                  x.astype(dtype), w, bias)
     out, vjp = ours(jnp.float32)
