@@ -15,8 +15,9 @@ import sys
 
 # (cause, pattern of the test ids it holds), first match wins.
 CAUSES = [
-    ("full-size TPU compiles (v5e-1, v6e-1, v5e-16)", r"test_compile_check\.py::test_(andrea120m_as_typed_fits_one_colab"
-                                                      r"_tpu|a_multi_host_slice|one_microbatch_forced)"),
+    ("full-size TPU compiles (v5e-1, v6e-1, the 10B recipe's v6e-1, v5e-16)",
+     r"test_compile_check\.py::test_(andrea120m_as_typed_fits_one_colab_tpu|the_fineweb10b_recipe|a_multi_host_slice"
+     r"|one_microbatch_forced)"),
     ("full-size GPU compiles", r"test_compile_check\.py::test_(andrea120m_as_typed_fits_each_colab_gpu|cudnn)"),
     ("several processes (jax.distributed)", r"test_multihost\.py"),
     ("the notebook", r"test_notebook\.py"),
