@@ -16,8 +16,6 @@ Decoding with the KV cache, and dropout while training, take the einsum path in 
 
 from __future__ import annotations
 
-import math
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -120,15 +118,14 @@ def _splash_one_shard(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax
     def to_kernel(x_BxLxHxK):
         return jnp.pad(x_BxLxHxK, ((0, 0), (0, padded - length), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
-    # The kernel takes no scale: 1/√K goes onto q, where XLA folds it into q's projection.
-    q_BxLxHxK = (q_BxLxHxK * (1 / math.sqrt(width))).astype(q_BxLxHxK.dtype)
     out_BxHxPxK = jax.vmap(kernel)(to_kernel(q_BxLxHxK), to_kernel(k_BxLxHxK), to_kernel(v_BxLxHxK))
     return out_BxHxPxK.transpose(0, 2, 1, 3)[:, :length]
 
 
 def splash_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
                      block: int = BLOCK) -> jax.Array:
-    """Causal softmax(q·kᵀ / √K)·v through the Pallas TPU splash kernel, in the inputs' dtype."""
+    """Causal softmax(q·kᵀ)·v through the Pallas TPU splash kernel, in the inputs' dtype: the kernel takes no
+    scale, so q comes scaled by 1/√K (the model folds it into q's projection)."""
     return _per_shard(lambda q, k, v: _splash_one_shard(q, k, v, block), q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
 
 

@@ -326,16 +326,23 @@ class Attention(nn.Module):
                             embed=d_model)
         out_bias = _param(self, "out_bias", zeros, embed=d_model)
 
+        implementation = attention.resolve_name(self.implementation, head_dim, jnp.dtype(self.dtype).name)
+        dropping = not deterministic and self.dropout != 0.0
+        fused = implementation if cache_index is None and not dropping and implementation in attention.FUSED else None
+        kernels, biases = [qkv_kernel[:, i] for i in range(3)], [qkv_bias[i] for i in range(3)]
+        if fused == "splash":  # the kernel takes no scale: 1/√K goes into q's projection's kernel and bias
+            # (weight-sized work); applied to q after the product, it had q written in float32, copied
+            # and read back on TPUs (bench/RESULTS.md)
+            kernels[0], biases[0] = kernels[0] * (1 / math.sqrt(head_dim)), biases[0] * (1 / math.sqrt(head_dim))
         # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
         # and v is written once, where attention reads it (the slices were copies, and their
         # cotangents were stacked back; bench/RESULTS.md). Their biases stay outside the products: XLA's
         # GPU compiler adds a slice of the [3, H, K] bias in no product's epilogue (bench/RESULTS.md).
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
             nn.with_logical_constraint(
-                (matmul(x_BxLxD, qkv_kernel[:, i], "bld,dhk->blhk", self.dtype, self.dtype)
-                 + qkv_bias[i]).astype(self.dtype),
+                (matmul(x_BxLxD, kernel, "bld,dhk->blhk", self.dtype, self.dtype) + bias).astype(self.dtype),
                 ("act_batch", "act_len", "act_heads", None))
-            for i in range(3))
+            for kernel, bias in zip(kernels, biases))
 
         if cache_index is None:
             # S = L: the keys are this sequence's own.
@@ -353,10 +360,8 @@ class Attention(nn.Module):
             k_BxSxHxK, v_BxSxHxK = (buffer.value for buffer in cached)
             causal_LxS = jnp.arange(self.max_len)[None, :] <= cache_index + jnp.arange(length)[:, None]
 
-        implementation = attention.resolve_name(self.implementation, head_dim, jnp.dtype(self.dtype).name)
-        dropping = not deterministic and self.dropout != 0.0
-        if cache_index is None and not dropping and implementation in attention.FUSED:
-            out_BxLxHxK = attention.FUSED[implementation](q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)
+        if fused:
+            out_BxLxHxK = attention.FUSED[fused](q_BxLxHxK, k_BxSxHxK, v_BxSxHxK)
         else:
             drop = (lambda probs: nn.Dropout(self.dropout)(probs, deterministic=False)) if dropping else None
             query_block = QUERY_BLOCKS.get(sharding.program_platform(), length)

@@ -47,7 +47,9 @@ def test_splash_forward_and_gradients_equal_the_einsum_path_at_odd_shapes():
     q, k, v, cotangent = (jax.random.normal(key, (3, 200, 3, 32), jnp.bfloat16)
                           for key in jax.random.split(jax.random.key(0), 4))
     with pltpu.force_tpu_interpret_mode(True):  # Pallas's plain interpreter: the TPU one stops at splash's grid
-        out, backward = jax.vjp(lambda q, k, v: attention.splash_attention(q, k, v, block=128), q, k, v)
+        # The kernel takes q already scaled by 1/√K (the model folds it into q's projection).
+        scaled = lambda q, k, v: attention.splash_attention(q / math.sqrt(q.shape[-1]), k, v, block=128)
+        out, backward = jax.vjp(scaled, q, k, v)
         grads = backward(cotangent)
     expected, expected_backward = jax.vjp(einsum_attention, q, k, v)
     assert out.dtype == jnp.bfloat16
