@@ -49,7 +49,7 @@ INIT_STD = 0.02  # GPT-2's normal init for weights and embeddings
 # program recomputes its probabilities in the backward, whose per-block key gradients are summed:
 # larger blocks there sum fewer of them for a little more of the square (bench/RESULTS.md).
 QUERY_BLOCKS = {"cpu": 128, "gpu": 256}
-LOSS_CHUNK_TOKENS = 8192  # on GPUs the tied head's loss runs over about this many tokens at a time
+LOSS_CHUNK_TOKENS = 8192  # on GPUs and TPUs the tied head's loss runs over about this many tokens at a time
 ACTIVATIONS = {  # and swiglu, whose gate is a second projection (MLP)
     "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
     "gelu_exact": lambda h: jax.nn.gelu(h, approximate=False),
@@ -303,6 +303,33 @@ def _recomputing_bwd(dtype, residuals, d_out_BxLxHxK):
 recomputing_attention.defvjp(_recomputing_fwd, _recomputing_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def qkv_projections(x_BxLxD: jax.Array, kernel_Dx3xHxK: jax.Array, bias_3xHxK: jax.Array, dtype) -> tuple:
+    """(q, k, v) = x·kernel[:, i] + bias[i] in `dtype`, each its own product as `precision.matmul` takes it;
+    the backward stacks their cotangents for one product into the kernel's gradient and one into x's,
+    where three products each read x (and recomputed its LayerNorm) again. TPU programs only: XLA's TPU
+    compiler takes the stack into the products' operands (bench/RESULTS.md)."""
+    return _qkv_fwd(x_BxLxD, kernel_Dx3xHxK, bias_3xHxK, dtype)[0]
+
+
+def _qkv_fwd(x_BxLxD, kernel_Dx3xHxK, bias_3xHxK, dtype):
+    x = x_BxLxD.astype(dtype)
+    qkv = tuple((jnp.einsum("bld,dhk->blhk", x, kernel_Dx3xHxK[:, i].astype(dtype), preferred_element_type=dtype)
+                 + bias_3xHxK[i]).astype(dtype) for i in range(3))
+    return qkv, (x_BxLxD, kernel_Dx3xHxK)
+
+
+def _qkv_bwd(dtype, residuals, d_qkv):
+    x_BxLxD, kernel_Dx3xHxK = residuals
+    g_BxLx3xHxK = jnp.stack([d.astype(dtype) for d in d_qkv], axis=2)
+    d_kernel = jnp.einsum("bld,blchk->dchk", x_BxLxD.astype(dtype), g_BxLx3xHxK, preferred_element_type=jnp.float32)
+    d_x = jnp.einsum("blchk,dchk->bld", g_BxLx3xHxK, kernel_Dx3xHxK.astype(dtype), preferred_element_type=x_BxLxD.dtype)
+    return d_x, d_kernel, g_BxLx3xHxK.astype(jnp.float32).sum((0, 1))
+
+
+qkv_projections.defvjp(_qkv_fwd, _qkv_bwd)
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention; qkv kernel laid out as GPT-2's c_attn."""
     n_head: int
@@ -329,20 +356,22 @@ class Attention(nn.Module):
         implementation = attention.resolve_name(self.implementation, head_dim, jnp.dtype(self.dtype).name)
         dropping = not deterministic and self.dropout != 0.0
         fused = implementation if cache_index is None and not dropping and implementation in attention.FUSED else None
-        kernels, biases = [qkv_kernel[:, i] for i in range(3)], [qkv_bias[i] for i in range(3)]
-        if fused == "splash":  # the kernel takes no scale: 1/√K goes into q's projection's kernel and bias
-            # (weight-sized work); applied to q after the product, it had q written in float32, copied
-            # and read back on TPUs (bench/RESULTS.md)
-            kernels[0], biases[0] = kernels[0] * (1 / math.sqrt(head_dim)), biases[0] * (1 / math.sqrt(head_dim))
-        # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
-        # and v is written once, where attention reads it (the slices were copies, and their
-        # cotangents were stacked back; bench/RESULTS.md). Their biases stay outside the products: XLA's
-        # GPU compiler adds a slice of the [3, H, K] bias in no product's epilogue (bench/RESULTS.md).
+        if fused == "splash":  # the kernel takes no scale: 1/√K goes into q's projection, its kernel and bias
+            # (weight-sized work); applied to q after the product, it had XLA write q in float32, copy it and
+            # read it back (bench/RESULTS.md)
+            q_scale_3x1x1 = jnp.array([1 / math.sqrt(head_dim), 1.0, 1.0])[:, None, None]
+            qkv_kernel, qkv_bias = qkv_kernel * q_scale_3x1x1, qkv_bias * q_scale_3x1x1
+        if sharding.program_platform() == "tpu":
+            qkv = qkv_projections(x_BxLxD, qkv_kernel, qkv_bias, self.dtype)
+        else:
+            # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
+            # and v is written once, where attention reads it (the slices were copies, and their
+            # cotangents were stacked back; bench/RESULTS.md). Their biases stay outside the products: XLA's
+            # GPU compiler adds a slice of the [3, H, K] bias in no product's epilogue (bench/RESULTS.md).
+            qkv = [(matmul(x_BxLxD, qkv_kernel[:, i], "bld,dhk->blhk", self.dtype, self.dtype)
+                    + qkv_bias[i]).astype(self.dtype) for i in range(3)]
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
-            nn.with_logical_constraint(
-                (matmul(x_BxLxD, kernel, "bld,dhk->blhk", self.dtype, self.dtype) + bias).astype(self.dtype),
-                ("act_batch", "act_len", "act_heads", None))
-            for kernel, bias in zip(kernels, biases))
+            nn.with_logical_constraint(projection, ("act_batch", "act_len", "act_heads", None)) for projection in qkv)
 
         if cache_index is None:
             # S = L: the keys are this sequence's own.
@@ -516,11 +545,11 @@ def next_token_losses(x_BxLxD: jax.Array, token_embed: jax.Array, targets_BxL: j
                       model_config: ml_collections.ConfigDict) -> jax.Array:
     """Each position's cross-entropy [B, L] (float32) against its target, from the stream after LN_f.
 
-    GPU programs take the head in chunks with a written-out backward (`chunked_tied_cross_entropy`);
-    the others autodiff optax's loss over the whole logits.
+    GPU and TPU programs take the head in chunks with a written-out backward (`chunked_tied_cross_entropy`);
+    CPU programs autodiff optax's loss over the whole logits.
     """
     m = model_config
-    if sharding.program_platform() == "gpu":
+    if sharding.program_platform() in ("gpu", "tpu"):
         chunk_len = max(1, LOSS_CHUNK_TOKENS // x_BxLxD.shape[0])
         return chunked_tied_cross_entropy(x_BxLxD, token_embed, targets_BxL, m.vocab_size, compute_dtype(m.dtype),
                                           chunk_len)
@@ -578,8 +607,9 @@ def chunked_tied_cross_entropy(x_BxLxD: jax.Array, token_embed: jax.Array, targe
                                vocab_size: int, dtype, chunk_len: int) -> jax.Array:
     """optax's integer-label cross-entropy of `tied_logits`, [B, L] float32, `chunk_len` positions at a
     time: the float32 [B, L, V] logits are never whole, and the backward recomputes each chunk's
-    logits from the stream and forms their cotangent in one pass. Autodiff of the whole head wrote
-    and re-read the logits, their cotangent and a one-hot scatter of the targets (bench/RESULTS.md)."""
+    logits from the stream and forms their cotangent in one pass (XLA's TPU compiler keeps the forward's
+    chunks instead). Autodiff of the whole head wrote and re-read the logits, their cotangent and a
+    one-hot scatter of the targets (bench/RESULTS.md)."""
     return _cross_entropy_fwd(x_BxLxD, token_embed, targets_BxL, vocab_size, dtype, chunk_len)[0]
 
 

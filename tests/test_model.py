@@ -13,7 +13,7 @@ import optax
 import pytest
 from jax import ad_checkpoint
 
-from andrea_jax import model, sharding
+from andrea_jax import model, precision, sharding
 from andrea_jax.gpt2 import interop
 from andrea_jax.tools import parameter_table
 from andrea_jax.config import base_config
@@ -379,26 +379,58 @@ def sharded_loss_and_grads(m, params, loss, mesh_sizes):
 
 
 @pytest.mark.parametrize("mesh_sizes", [(1, 1, 1), (2, 2, 2)], ids=["one device", "data2-fsdp2-tensor2"])
-def test_gpu_programs_take_the_chunked_head_loss_and_recomputing_attention_at_autodiffs_results(mesh_sizes,
-                                                                                                 monkeypatch):
+def test_gpu_and_tpu_programs_take_their_written_out_backwards_at_autodiffs_results(mesh_sizes, monkeypatch):
+    """GPU programs: the chunked head loss and the recomputing attention; TPU programs: the chunked head loss
+    and the stacked q, k, v backward (their attention is the splash kernel's, tests/test_attention.py)."""
     m = small_model(vocab_pad_multiple=8)
     params = init(m, scale=4.0)
     ids = np.random.default_rng(11).integers(0, m.vocab_size, (4, 17))
     loss = lambda p: forward(m, p, ids[:, :-1], targets_BxL=jnp.asarray(ids[:, 1:])).mean()
-    called, chunked = [], model.chunked_tied_cross_entropy
-    monkeypatch.setattr(model, "chunked_tied_cross_entropy", lambda *a: called.append(a[-1]) or chunked(*a))
+    calls = {name: [] for name in ("chunked_tied_cross_entropy", "recomputing_attention", "qkv_projections")}
+    for name, log in calls.items():
+        monkeypatch.setattr(model, name, lambda *a, log=log, f=getattr(model, name): log.append(a) or f(*a))
     expected, expected_grads = jax.value_and_grad(loss)(params)
-    assert called == []  # a CPU program autodiffs optax's loss
-    monkeypatch.setattr(model.sharding, "program_platform", lambda: "gpu")
+    assert all(log == [] for log in calls.values())  # a CPU program autodiffs optax's loss and three matmuls
     monkeypatch.setitem(model.QUERY_BLOCKS, "gpu", 8)  # two query blocks a row
-    recomputed, recomputing = [], model.recomputing_attention
-    monkeypatch.setattr(model, "recomputing_attention", lambda *a: recomputed.append(a[0].shape[1]) or recomputing(*a))
     monkeypatch.setattr(model, "LOSS_CHUNK_TOKENS", 24)  # 4 rows × chunks of 6, 6 and 4 positions
-    got, grads = sharded_loss_and_grads(m, params, loss, mesh_sizes)
-    assert called == [6] and recomputed == [1] * m.n_layer + [8, 8] * m.n_layer  # the params' init, then the loss
-    np.testing.assert_allclose(float(got), float(expected), rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
-                 grads, expected_grads)
+    for platform in ("gpu", "tpu"):
+        monkeypatch.setattr(model.sharding, "program_platform", lambda: platform)
+        got, grads = sharded_loss_and_grads(m, params, loss, mesh_sizes)
+        chunks = [a[-1] for a in calls["chunked_tied_cross_entropy"]]
+        queries = [a[0].shape[1] for a in calls["recomputing_attention"]]
+        if platform == "gpu":  # the params' init, then the loss
+            assert chunks == [6] and queries == [1] * m.n_layer + [8, 8] * m.n_layer
+            assert calls["qkv_projections"] == []
+        else:
+            assert chunks == [6] and queries == [] and len(calls["qkv_projections"]) == 2 * m.n_layer
+        np.testing.assert_allclose(float(got), float(expected), rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
+                     grads, expected_grads)
+        for log in calls.values():
+            log.clear()
+
+
+def test_tpu_programs_qkv_projections_are_three_matmuls_with_one_product_a_gradient():
+    x, kernel, bias, *d_qkv = normals(12, (2, 5, 48), (48, 3, 4, 12), (3, 4, 12), *[(2, 5, 4, 12)] * 3)
+    three = lambda dtype: jax.vjp(lambda x, w, b: tuple(
+        (precision.matmul(x, w[:, i], "bld,dhk->blhk", dtype, dtype) + b[i]).astype(dtype) for i in range(3)),
+        x, kernel, bias)
+    ours = lambda dtype: jax.vjp(lambda x, w, b: model.qkv_projections(x, w, b, dtype), x, kernel, bias)
+    (out, vjp), (ref_out, ref_vjp) = ours(jnp.float32), three(jnp.float32)
+    for got, want in zip(out, ref_out):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    reference = ref_vjp(tuple(d_qkv))
+    for got, want in zip(vjp(tuple(d_qkv)), reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    out16, vjp16 = ours(jnp.bfloat16)
+    assert all(q.dtype == jnp.bfloat16 for q in out16)
+    for got, want in zip(out16, ref_out):
+        assert np.abs(np.asarray(got, np.float32) - want).max() <= 0.02 * np.abs(want).max()
+    for got, want in zip(vjp16(tuple(d.astype(jnp.bfloat16) for d in d_qkv)), reference):
+        assert got.dtype == jnp.float32 and np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+    # The backward's two products take the three cotangents stacked: one reads x, the other the kernel.
+    program = jax.jit(lambda *d: ours(jnp.bfloat16)[1](d)).lower(*(d.astype(jnp.bfloat16) for d in d_qkv)).as_text()
+    assert len(re.findall(r"dot_general.*tensor<2x5x3x4x12xbf16>", program)) == 2
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():
