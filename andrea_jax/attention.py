@@ -105,7 +105,7 @@ def _splash_one_shard(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    _, length, heads, width = q_BxLxHxK.shape
+    _, length, heads, _ = q_BxLxHxK.shape
     # The kernel's blocks are multiples of 128 that divide the length. Padding at the end is exact
     # for causal attention: no real query sees a later key, and the padded rows are dropped.
     block = min(block, _round_up(length, LANES))
@@ -150,4 +150,5 @@ def _per_shard(kernel, q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: ja
                          check_vma=False)(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
 
 
-FUSED = {"splash": splash_attention, "cudnn": cudnn_attention}  # the einsum path, xla, is model.py's
+# The einsum path, xla, is model.py's. Splash takes q already scaled by 1/√K, cuDNN scales it itself.
+FUSED = {"splash": splash_attention, "cudnn": cudnn_attention}
