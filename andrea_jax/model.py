@@ -307,8 +307,9 @@ recomputing_attention.defvjp(_recomputing_fwd, _recomputing_bwd)
 def qkv_projections(x_BxLxD: jax.Array, kernel_Dx3xHxK: jax.Array, bias_3xHxK: jax.Array, dtype) -> tuple:
     """(q, k, v) = x·kernel[:, i] + bias[i] in `dtype`, each its own product as `precision.matmul` takes it;
     the backward stacks their cotangents for one product into the kernel's gradient and one into x's,
-    where three products each read x (and recomputed its LayerNorm) again. TPU programs only: XLA's TPU
-    compiler takes the stack into the products' operands (bench/RESULTS.md)."""
+    where three products each read x again and summed three partial gradients of x. GPU and TPU programs
+    (XLA's TPU compiler takes the stack into the products' operands, its GPU compiler writes it once);
+    CPU programs keep three `precision.matmul`s (bench/RESULTS.md)."""
     return _qkv_fwd(x_BxLxD, kernel_Dx3xHxK, bias_3xHxK, dtype)[0]
 
 
@@ -361,7 +362,7 @@ class Attention(nn.Module):
             # read it back (bench/RESULTS.md)
             q_scale_3x1x1 = jnp.array([1 / math.sqrt(head_dim), 1.0, 1.0])[:, None, None]
             qkv_kernel, qkv_bias = qkv_kernel * q_scale_3x1x1, qkv_bias * q_scale_3x1x1
-        if sharding.program_platform() == "tpu":
+        if sharding.program_platform() != "cpu":
             qkv = qkv_projections(x_BxLxD, qkv_kernel, qkv_bias, self.dtype)
         else:
             # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
@@ -512,7 +513,13 @@ class Transformer(nn.Module):
         else:
             cache_index, positions_LxD = None, position_embed[:length]
 
-        x_BxLxD = jnp.take(token_embed, ids_BxL, axis=0) + positions_LxD
+        positions = positions_LxD  # broadcast over the batch
+        if cache_index is None and sharding.program_platform() == "gpu":
+            # Gathered for each row, like the tokens: the gradient is then a scatter-add of rows. As a
+            # broadcast, its gradient's reduction over the batch had XLA's GPU compiler lay the whole
+            # stream out batch-minor, transposed at every product (bench/RESULTS.md).
+            positions = jnp.take(position_embed, jnp.broadcast_to(jnp.arange(length), ids_BxL.shape), axis=0)
+        x_BxLxD = jnp.take(token_embed, ids_BxL, axis=0) + positions
         x_BxLxD = nn.Dropout(m.dropout)(x_BxLxD, deterministic=deterministic).astype(dtype)
         x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("act_batch", "act_len", "act_embed"))
         _report_stream(self, "embed_", x_BxLxD)

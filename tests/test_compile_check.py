@@ -145,9 +145,12 @@ def test_andrea120m_as_typed_fits_each_colab_gpu_by_itself(gpu):
         assert hlo.count('custom_call_target="__cudnn$fmhaSoftmax"') == 12
         assert hlo.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') == 12
         assert not re.search(r"\[32,12,1024,1024\]", hlo)
+        # The stream stays batch-major: the position embedding's gradient is a scatter-add, not a reduction
+        # over the batch that had XLA lay every [B, L, D] array out as [L, D, B].
+        assert not re.search(r"\[1024,768,32\]", hlo)
     if gpu == "h100":
         cost = check.step_cost(steps, target)
-        assert cost.mfu_bound >= 0.6
+        assert cost.mfu_bound >= 0.8
         assert "MFU can be at most" in check.describe(steps, target)
 
 

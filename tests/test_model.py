@@ -380,8 +380,9 @@ def sharded_loss_and_grads(m, params, loss, mesh_sizes):
 
 @pytest.mark.parametrize("mesh_sizes", [(1, 1, 1), (2, 2, 2)], ids=["one device", "data2-fsdp2-tensor2"])
 def test_gpu_and_tpu_programs_take_their_written_out_backwards_at_autodiffs_results(mesh_sizes, monkeypatch):
-    """GPU programs: the chunked head loss and the recomputing attention; TPU programs: the chunked head loss
-    and the stacked q, k, v backward (their attention is the splash kernel's, tests/test_attention.py)."""
+    """GPU programs: the chunked head loss, the stacked q, k, v backward, the recomputing attention and the
+    position embedding gathered; TPU programs: the chunked head loss and the stacked q, k, v backward (their
+    attention is the splash kernel's, tests/test_attention.py)."""
     m = small_model(vocab_pad_multiple=8)
     params = init(m, scale=4.0)
     ids = np.random.default_rng(11).integers(0, m.vocab_size, (4, 17))
@@ -398,11 +399,8 @@ def test_gpu_and_tpu_programs_take_their_written_out_backwards_at_autodiffs_resu
         got, grads = sharded_loss_and_grads(m, params, loss, mesh_sizes)
         chunks = [a[-1] for a in calls["chunked_tied_cross_entropy"]]
         queries = [a[0].shape[1] for a in calls["recomputing_attention"]]
-        if platform == "gpu":  # the params' init, then the loss
-            assert chunks == [6] and queries == [1] * m.n_layer + [8, 8] * m.n_layer
-            assert calls["qkv_projections"] == []
-        else:
-            assert chunks == [6] and queries == [] and len(calls["qkv_projections"]) == 2 * m.n_layer
+        assert chunks == [6] and len(calls["qkv_projections"]) == 2 * m.n_layer  # the params' init, then the loss
+        assert queries == ([1] * m.n_layer + [8, 8] * m.n_layer if platform == "gpu" else [])
         np.testing.assert_allclose(float(got), float(expected), rtol=1e-5)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
                      grads, expected_grads)
@@ -410,7 +408,7 @@ def test_gpu_and_tpu_programs_take_their_written_out_backwards_at_autodiffs_resu
             log.clear()
 
 
-def test_tpu_programs_qkv_projections_are_three_matmuls_with_one_product_a_gradient():
+def test_accelerator_programs_qkv_projections_are_three_matmuls_with_one_product_a_gradient():
     x, kernel, bias, *d_qkv = normals(12, (2, 5, 48), (48, 3, 4, 12), (3, 4, 12), *[(2, 5, 4, 12)] * 3)
     three = lambda dtype: jax.vjp(lambda x, w, b: tuple(
         (precision.matmul(x, w[:, i], "bld,dhk->blhk", dtype, dtype) + b[i]).astype(dtype) for i in range(3)),
