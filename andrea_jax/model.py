@@ -303,29 +303,36 @@ def _recomputing_bwd(dtype, residuals, d_out_BxLxHxK):
 recomputing_attention.defvjp(_recomputing_fwd, _recomputing_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def qkv_projections(x_BxLxD: jax.Array, kernel_Dx3xHxK: jax.Array, bias_3xHxK: jax.Array, dtype) -> tuple:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def qkv_projections(x_BxLxD: jax.Array, kernel_Dx3xHxK: jax.Array, bias_3xHxK: jax.Array, dtype,
+                    biased: tuple[bool, ...] = (True, True, True)) -> tuple:
     """(q, k, v) = x·kernel[:, i] + bias[i] in `dtype`, each its own product as `precision.matmul` takes it;
     the backward stacks their cotangents for one product into the kernel's gradient and one into x's,
     where three products each read x again and summed three partial gradients of x. GPU and TPU programs
     (XLA's TPU compiler takes the stack into the products' operands, its GPU compiler writes it once);
-    CPU programs keep three `precision.matmul`s (bench/RESULTS.md)."""
-    return _qkv_fwd(x_BxLxD, kernel_Dx3xHxK, bias_3xHxK, dtype)[0]
+    CPU programs keep three `precision.matmul`s (bench/RESULTS.md). Only the outputs `biased` names get
+    their bias (the others' bias gradients are zero)."""
+    return _qkv_fwd(x_BxLxD, kernel_Dx3xHxK, bias_3xHxK, dtype, biased)[0]
 
 
-def _qkv_fwd(x_BxLxD, kernel_Dx3xHxK, bias_3xHxK, dtype):
+def _qkv_fwd(x_BxLxD, kernel_Dx3xHxK, bias_3xHxK, dtype, biased):
     x = x_BxLxD.astype(dtype)
-    qkv = tuple((jnp.einsum("bld,dhk->blhk", x, kernel_Dx3xHxK[:, i].astype(dtype), preferred_element_type=dtype)
-                 + bias_3xHxK[i]).astype(dtype) for i in range(3))
+    products = [jnp.einsum("bld,dhk->blhk", x, kernel_Dx3xHxK[:, i].astype(dtype), preferred_element_type=dtype)
+                for i in range(3)]
+    qkv = tuple((p + bias_3xHxK[i]).astype(dtype) if biased[i] else p for i, p in enumerate(products))
     return qkv, (x_BxLxD, kernel_Dx3xHxK)
 
 
-def _qkv_bwd(dtype, residuals, d_qkv):
+def _qkv_bwd(dtype, biased, residuals, d_qkv):
     x_BxLxD, kernel_Dx3xHxK = residuals
     g_BxLx3xHxK = jnp.stack([d.astype(dtype) for d in d_qkv], axis=2)
     d_kernel = jnp.einsum("bld,blchk->dchk", x_BxLxD.astype(dtype), g_BxLx3xHxK, preferred_element_type=jnp.float32)
     d_x = jnp.einsum("blchk,dchk->bld", g_BxLx3xHxK, kernel_Dx3xHxK.astype(dtype), preferred_element_type=x_BxLxD.dtype)
-    return d_x, d_kernel, g_BxLx3xHxK.astype(jnp.float32).sum((0, 1))
+    if all(biased):
+        return d_x, d_kernel, g_BxLx3xHxK.astype(jnp.float32).sum((0, 1))
+    d_bias = [d.astype(jnp.float32).sum((0, 1)) if on else jnp.zeros(d.shape[2:], jnp.float32)
+              for d, on in zip(d_qkv, biased)]
+    return d_x, d_kernel, jnp.stack(d_bias)
 
 
 qkv_projections.defvjp(_qkv_fwd, _qkv_bwd)
@@ -362,8 +369,16 @@ class Attention(nn.Module):
             # read it back (bench/RESULTS.md)
             q_scale_3x1x1 = jnp.array([1 / math.sqrt(head_dim), 1.0, 1.0])[:, None, None]
             qkv_kernel, qkv_bias = qkv_kernel * q_scale_3x1x1, qkv_bias * q_scale_3x1x1
+        if fused == "cudnn":  # k's and v's biases go unadded: softmax is invariant to k's (it adds q·b_k to every
+            # logit of a row), and its rows sum to one, so v's passes through attention to the output, where it
+            # joins the output's bias. XLA's GPU compiler added them in no product's epilogue, so each was a pass
+            # over [B, L, H, K] of its own (bench/RESULTS.md).
+            biased = (True, False, False)
+            out_bias = out_bias + jnp.einsum("hk,hkd->d", qkv_bias[2], out_kernel)
+        else:
+            biased = (True, True, True)
         if sharding.program_platform() != "cpu":
-            qkv = qkv_projections(x_BxLxD, qkv_kernel, qkv_bias, self.dtype)
+            qkv = qkv_projections(x_BxLxD, qkv_kernel, qkv_bias, self.dtype, biased)
         else:
             # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
             # and v is written once, where attention reads it (the slices were copies, and their

@@ -91,6 +91,23 @@ def test_splash_model_on_a_data_fsdp_tensor_mesh_equals_the_einsum_model_on_one_
     jax.tree.map(assert_close_in_bfloat16, grads, expected_grads)
 
 
+def test_cudnn_programs_leave_k_and_v_biases_to_softmax_with_the_einsum_programs_loss_and_gradients(monkeypatch):
+    """With cuDNN's attention (here XLA's own in its place: cuDNN needs a GPU), k's bias is not added (softmax
+    ignores it) and v's joins the output's bias (softmax's rows sum to one): the loss and every gradient are
+    the einsum program's, in float32, and k's bias gets exactly none."""
+    m_xla, m_cudnn = (small_model(n_layer=1, attention=name) for name in ("xla", "cudnn"))
+    params = init(m_xla, scale=4.0)
+    ids = np.random.default_rng(5).integers(0, m_xla.vocab_size, (2, 13))
+    expected_loss, expected_grads = loss_and_grads(m_xla, params, ids)
+    monkeypatch.setattr(sharding, "program_platform", lambda: "gpu")
+    monkeypatch.setitem(attention.FUSED, "cudnn", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    loss, grads = loss_and_grads(m_cudnn, params, ids)
+    np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
+                 grads, expected_grads)
+    k_bias_grad = grads["block_0"]["attn"]["qkv_bias"][1]
+    assert np.all(k_bias_grad == 0) and np.abs(grads["block_0"]["attn"]["qkv_bias"][2]).max() > 1e-3
+
 @pytest.mark.parametrize("name, device, width, dtype, expected", [
     ("auto", FakeDevice("tpu"), 64, "bfloat16", "splash"),
     ("auto", FakeDevice("tpu"), 192, "bfloat16", "xla"),  # wider than the kernel takes

@@ -151,6 +151,8 @@ def test_andrea120m_as_typed_fits_each_colab_gpu_by_itself(gpu):
     if gpu == "h100":
         cost = check.step_cost(steps, target)
         assert cost.mfu_bound >= 0.8
+    if gpu == "l4":
+        assert check.step_cost(steps, target).mfu_bound >= 0.62
         assert "MFU can be at most" in check.describe(steps, target)
 
 
