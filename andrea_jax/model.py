@@ -382,8 +382,7 @@ class Attention(nn.Module):
         else:
             # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
             # and v is written once, where attention reads it (the slices were copies, and their
-            # cotangents were stacked back; bench/RESULTS.md). Their biases stay outside the products: XLA's
-            # GPU compiler adds a slice of the [3, H, K] bias in no product's epilogue (bench/RESULTS.md).
+            # cotangents were stacked back; bench/RESULTS.md).
             qkv = [(matmul(x_BxLxD, qkv_kernel[:, i], "bld,dhk->blhk", self.dtype, self.dtype)
                     + qkv_bias[i]).astype(self.dtype) for i in range(3)]
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
@@ -571,7 +570,7 @@ def next_token_losses(x_BxLxD: jax.Array, token_embed: jax.Array, targets_BxL: j
     CPU programs autodiff optax's loss over the whole logits.
     """
     m = model_config
-    if sharding.program_platform() in ("gpu", "tpu"):
+    if sharding.program_platform() != "cpu":
         chunk_len = max(1, LOSS_CHUNK_TOKENS // x_BxLxD.shape[0])
         return chunked_tied_cross_entropy(x_BxLxD, token_embed, targets_BxL, m.vocab_size, compute_dtype(m.dtype),
                                           chunk_len)
