@@ -369,10 +369,10 @@ class Attention(nn.Module):
             # read it back (bench/RESULTS.md)
             q_scale_3x1x1 = jnp.array([1 / math.sqrt(head_dim), 1.0, 1.0])[:, None, None]
             qkv_kernel, qkv_bias = qkv_kernel * q_scale_3x1x1, qkv_bias * q_scale_3x1x1
-        if fused == "cudnn":  # k's and v's biases go unadded: softmax is invariant to k's (it adds q·b_k to every
-            # logit of a row), and its rows sum to one, so v's passes through attention to the output, where it
-            # joins the output's bias. XLA's GPU compiler added them in no product's epilogue, so each was a pass
-            # over [B, L, H, K] of its own (bench/RESULTS.md).
+        if fused:  # k's and v's biases go unadded: softmax is invariant to k's (it adds q·b_k to every logit of
+            # a row), and its rows sum to one, so v's passes through attention to the output, where it joins the
+            # output's bias. XLA's GPU compiler added them in no product's epilogue, so each was a pass over
+            # [B, L, H, K] of its own; on TPUs their gradients' sums read k's and v's cotangents (bench/RESULTS.md).
             biased = (True, False, False)
             out_bias = out_bias + jnp.einsum("hk,hkd->d", qkv_bias[2], out_kernel)
         else:
@@ -383,8 +383,8 @@ class Attention(nn.Module):
             # Three products rather than one [B, L, 3, H, K] product and three slices: each of q, k
             # and v is written once, where attention reads it (the slices were copies, and their
             # cotangents were stacked back; bench/RESULTS.md).
-            qkv = [(matmul(x_BxLxD, qkv_kernel[:, i], "bld,dhk->blhk", self.dtype, self.dtype)
-                    + qkv_bias[i]).astype(self.dtype) for i in range(3)]
+            products = (matmul(x_BxLxD, qkv_kernel[:, i], "bld,dhk->blhk", self.dtype, self.dtype) for i in range(3))
+            qkv = [(p + qkv_bias[i]).astype(self.dtype) if biased[i] else p for i, p in enumerate(products)]
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
             nn.with_logical_constraint(projection, ("act_batch", "act_len", "act_heads", None)) for projection in qkv)
 

@@ -88,20 +88,30 @@ def test_splash_model_on_a_data_fsdp_tensor_mesh_equals_the_einsum_model_on_one_
     assert "shard_map" in lowered or "sdy.manual_computation" in lowered
     assert "tensor<1x2x128x16xbf16>" in lowered
     np.testing.assert_allclose(float(loss), float(expected_loss), rtol=2e-2)
-    jax.tree.map(assert_close_in_bfloat16, grads, expected_grads)
+    # Splash programs leave k's bias unadded (softmax ignores it): its gradient is none, where the einsum
+    # program's bfloat16 roundings give it a few percent of the other biases'. v's bias joins the output's
+    # in float32, so the two programs round in different places: within 3% of each other (each is 1-7% from
+    # the float32 program's gradients here).
+    assert np.all(grads["block_0"]["attn"]["qkv_bias"][1] == 0)
+    expected_grads["block_0"]["attn"]["qkv_bias"] = expected_grads["block_0"]["attn"]["qkv_bias"].at[1].set(0)
+    jax.tree.map(lambda ours, reference: assert_close_in_bfloat16(ours, reference, 3e-2), grads, expected_grads)
 
 
-def test_cudnn_programs_leave_k_and_v_biases_to_softmax_with_the_einsum_programs_loss_and_gradients(monkeypatch):
-    """With cuDNN's attention (here XLA's own in its place: cuDNN needs a GPU), k's bias is not added (softmax
-    ignores it) and v's joins the output's bias (softmax's rows sum to one): the loss and every gradient are
-    the einsum program's, in float32, and k's bias gets exactly none."""
-    m_xla, m_cudnn = (small_model(n_layer=1, attention=name) for name in ("xla", "cudnn"))
+@pytest.mark.parametrize("kernel, platform, scale", [("cudnn", "gpu", None), ("splash", "tpu", 1.0)])
+def test_fused_programs_leave_k_and_v_biases_to_softmax_with_the_einsum_programs_loss_and_gradients(
+        monkeypatch, kernel, platform, scale):
+    """With a fused kernel (here XLA's attention in its place: cuDNN needs a GPU and splash a TPU, or minutes
+    in Pallas's interpreter), k's bias is not added (softmax ignores it) and v's joins the output's bias
+    (softmax's rows sum to one): the loss and every gradient are the einsum program's, in float32, and k's
+    bias gets exactly none. Splash takes q scaled in its projection (scale 1 here)."""
+    m_xla, m_fused = (small_model(n_layer=1, attention=name) for name in ("xla", kernel))
     params = init(m_xla, scale=4.0)
     ids = np.random.default_rng(5).integers(0, m_xla.vocab_size, (2, 13))
     expected_loss, expected_grads = loss_and_grads(m_xla, params, ids)
-    monkeypatch.setattr(sharding, "program_platform", lambda: "gpu")
-    monkeypatch.setitem(attention.FUSED, "cudnn", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
-    loss, grads = loss_and_grads(m_cudnn, params, ids)
+    monkeypatch.setattr(sharding, "program_platform", lambda: platform)
+    monkeypatch.setitem(attention.FUSED, kernel,
+                        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True))
+    loss, grads = loss_and_grads(m_fused, params, ids)
     np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
                  grads, expected_grads)
