@@ -29,6 +29,11 @@ LANES = 128  # the TPU kernel's blocks are multiples of the vector registers' la
 # blocks amortise the fixed cost of each grid step; at context 1024 a block of 512 computes 3 of
 # the 4 blocks (blocks of 128 would compute 36 of 64, at 16 times the steps); see bench/RESULTS.md.
 BLOCK = 512
+# TPUs whose memory bandwidth is short of their matrix units: a v6e multiplies 918 TFLOP/s over 1.64 TB/s (a
+# v5e 197 over 0.82). There the kernel's fused backward takes all keys as one block, so q's gradient is
+# written once instead of once a key block and then summed, at the cost of computing the blocks above the
+# causal diagonal in the backward (bench/RESULTS.md).
+KEYS_WHOLE_IN_BACKWARD = ("TPU v6",)
 MIN_CUDA_CAPABILITY_FOR_CUDNN = 8.0  # cuDNN's flash attention starts with Ampere
 CUDNN_DTYPES = ("bfloat16", "float16")  # its fused attention has no float32 kernel
 PLATFORM_OF = {"splash": "tpu", "cudnn": "gpu"}  # where each kernel runs
@@ -86,22 +91,30 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def products_computed(name: str, length: int) -> float:
+def keys_whole_in_backward(device_kind: str) -> bool:
+    """Whether splash's backward takes all keys as one block on a `device_kind` chip (`KEYS_WHOLE_IN_BACKWARD`)."""
+    return device_kind.startswith(KEYS_WHOLE_IN_BACKWARD)
+
+
+def products_computed(name: str, length: int, device_kind: str) -> float:
     """The share of attention's FLOPs in the model's formula (12·L·H·Q·T: the whole L × L square,
-    forward and backward) that the TPU implementation `name` computes at `length`. The splash kernel
-    skips the blocks above the causal diagonal (n(n + 1)/2 of the padded square's n² blocks), and its
-    fused backward recomputes q·kᵀ: 7 products for the formula's 6. XLA's attention on a TPU
-    computes the whole square."""
+    forward and backward) that the TPU implementation `name` computes at `length` on a `device_kind`
+    chip. The splash kernel's forward skips the blocks above the causal diagonal (n(n + 1)/2 of the
+    padded square's n² blocks) in its 2 products; its fused backward recomputes q·kᵀ, 5 products for
+    the formula's 4, and skips the same blocks unless it takes the keys whole. XLA's attention on a
+    TPU computes the whole square."""
     if name != "splash":
         return 1.0
     block = min(BLOCK, _round_up(length, LANES))
     padded = _round_up(length, block)
     blocks = padded // block
-    return (padded / length) ** 2 * (blocks + 1) / (2 * blocks) * 7 / 6
+    forward = (blocks + 1) / (2 * blocks)
+    backward = 1.0 if keys_whole_in_backward(device_kind) else forward
+    return (padded / length) ** 2 * (2 * forward + 5 * backward) / 6
 
 
 def _splash_one_shard(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
-                      block: int) -> jax.Array:
+                      block: int, keys_whole: bool) -> jax.Array:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
@@ -110,8 +123,10 @@ def _splash_one_shard(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax
     # for causal attention: no real query sees a later key, and the padded rows are dropped.
     block = min(block, _round_up(length, LANES))
     padded = _round_up(length, block)
+    backward_key_block = padded if keys_whole else block
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+                              block_kv_dkv=backward_key_block, block_kv_dkv_compute=backward_key_block,
+                              use_fused_bwd_kernel=True)
     kernel = splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((padded, padded))] * heads),
                                     block_sizes=sizes, head_shards=1, q_seq_shards=1)
 
@@ -123,10 +138,13 @@ def _splash_one_shard(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax
 
 
 def splash_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
-                     block: int = BLOCK) -> jax.Array:
+                     block: int = BLOCK, keys_whole: bool | None = None) -> jax.Array:
     """Causal softmax(q·kᵀ)·v through the Pallas TPU splash kernel, in the inputs' dtype: the kernel takes no
-    scale, so q comes scaled by 1/√K (the model folds it into q's projection)."""
-    return _per_shard(lambda q, k, v: _splash_one_shard(q, k, v, block), q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+    scale, so q comes scaled by 1/√K (the model folds it into q's projection). `keys_whole`: whether the
+    backward takes all keys as one block; None chooses by the chip (`keys_whole_in_backward`)."""
+    if keys_whole is None:
+        keys_whole = keys_whole_in_backward(sharding.program_device_kind())
+    return _per_shard(lambda q, k, v: _splash_one_shard(q, k, v, block, keys_whole), q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
 
 
 def cudnn_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array) -> jax.Array:

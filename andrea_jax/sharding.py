@@ -49,6 +49,13 @@ def program_platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
+def program_device_kind() -> str:
+    """The kind of device ("TPU v6 lite", ...) the program being traced is for, found as `program_platform` finds
+    its platform."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.device_kind if device is not None else jax.devices()[0].device_kind
+
+
 def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[Any] | None = None) -> Mesh:
     """The (data, fsdp, tensor) mesh over all devices of all processes."""
     devices = list(devices) if devices is not None else jax.devices()

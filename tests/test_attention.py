@@ -41,14 +41,17 @@ def assert_close_in_bfloat16(ours, reference, relative=2e-2):
     assert np.abs(ours - reference).max() <= relative * np.abs(reference).max()
 
 
-def test_splash_forward_and_gradients_equal_the_einsum_path_at_odd_shapes():
+@pytest.mark.parametrize("keys_whole", [False, True])
+def test_splash_forward_and_gradients_equal_the_einsum_path_at_odd_shapes(keys_whole):
     """3 rows, 3 heads of 32, length 200 padded to 256: two blocks of 128 each way, the kernels that
-    context 1024 runs in blocks of 512. (The mesh test below takes the one-block path.)"""
+    context 1024 runs in blocks of 512; the backward in key blocks of 128 (q's gradient summed over
+    them) or all keys at once, as a v6e takes them. (The mesh test below takes the one-block path.)"""
     q, k, v, cotangent = (jax.random.normal(key, (3, 200, 3, 32), jnp.bfloat16)
                           for key in jax.random.split(jax.random.key(0), 4))
     with pltpu.force_tpu_interpret_mode(True):  # Pallas's plain interpreter: the TPU one stops at splash's grid
         # The kernel takes q already scaled by 1/√K (the model folds it into q's projection).
-        scaled = lambda q, k, v: attention.splash_attention(q / math.sqrt(q.shape[-1]), k, v, block=128)
+        scaled = lambda q, k, v: attention.splash_attention(q / math.sqrt(q.shape[-1]), k, v, block=128,
+                                                            keys_whole=keys_whole)
         out, backward = jax.vjp(scaled, q, k, v)
         grads = backward(cotangent)
     expected, expected_backward = jax.vjp(einsum_attention, q, k, v)
@@ -167,8 +170,11 @@ def test_a_run_recorded_with_a_kernel_this_machine_lacks_evaluates_with_this_mac
 
 def test_the_roofline_counts_the_products_each_tpu_attention_computes():
     # Splash at 1024 in blocks of 512: 3 of the 4 blocks, and the fused backward's second q·kᵀ (7 of 6).
-    assert attention.products_computed("splash", 1024) == pytest.approx(3 / 4 * 7 / 6)
-    assert attention.products_computed("splash", 512) == pytest.approx(7 / 6)  # one block: the whole square
+    assert attention.products_computed("splash", 1024, "TPU v5 lite") == pytest.approx(3 / 4 * 7 / 6)
+    # A v6e's backward takes the keys whole: its 5 products compute all 4 blocks, the forward's 2 still 3.
+    assert attention.products_computed("splash", 1024, "TPU v6 lite") == pytest.approx((2 * 3 / 4 + 5) / 6)
+    assert attention.products_computed("splash", 512, "TPU v5 lite") == pytest.approx(7 / 6)  # one block: all
     # 200 queries pad to one block of 256: the padded square is computed whole.
-    assert attention.products_computed("splash", 200) == pytest.approx((256 / 200) ** 2 * 7 / 6)
-    assert attention.products_computed("xla", 1024) == 1.0  # on a TPU: the whole square, six products
+    assert attention.products_computed("splash", 200, "TPU v5 lite") == pytest.approx((256 / 200) ** 2 * 7 / 6)
+    assert attention.products_computed("xla", 1024, "TPU v6 lite") == 1.0  # on a TPU: the whole square, six products
+    assert attention.keys_whole_in_backward("TPU v6 lite") and not attention.keys_whole_in_backward("TPU v5 lite")

@@ -57,8 +57,9 @@ def test_andrea120m_as_typed_fits_one_colab_tpu_by_itself_in_one_microbatch(topo
     assert "attention's products fill" in check.describe(steps, target)
     if topology == "v5e-1":  # compute-bound: splash's 7/8 of attention's 113.2 M FLOPs a token at half the rate
         assert cost.mfu_bound == pytest.approx(662.5 / (662.5 - 113.2 + 113.2 * 0.875 / 0.5), abs=1e-3)
-    else:
-        assert cost.mfu_bound >= 0.5
+    else:  # bandwidth-bound: the backward takes the keys whole, so q's gradient has no partial sum per key block
+        assert cost.mfu_bound >= 0.62
+        assert "bf16[32,2,12,1024,64]" not in steps.train.as_text()
 
 
 @needs_libtpu
@@ -74,7 +75,7 @@ def test_the_fineweb10b_recipe_compiles_for_a_v6e_1_in_the_micro_batches_its_fit
     assert memory.arguments + 2 * (memory.peak - memory.arguments) > fit.HEADROOM * target.memory_limit
     cost = check.step_cost(steps, target)
     assert sum(cost.hbm_bytes.values()) > 8 * 120e9  # counted once, the loop's 8 micro-batches gave 158 GB
-    assert 0.4 <= cost.mfu_bound <= 0.6 and config.steps * cost.roofline_seconds / 3600 > 3.5  # hours, a bound
+    assert 0.5 <= cost.mfu_bound <= 0.65 and config.steps * cost.roofline_seconds / 3600 > 3.3  # hours, a bound
 
 
 @needs_libtpu
