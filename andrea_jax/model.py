@@ -138,6 +138,10 @@ def fused_layer_norm(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array, epsi
 
 def _layer_norm_fwd(x_BxLxD, scale, bias, epsilon, dtype):
     y, mean_BxLx1, rstd_BxLx1 = _normalized(x_BxLxD, scale, bias, epsilon, dtype)
+    # The statistics are kept as computed ([B, L] each). XLA otherwise recomputed them from x inside the
+    # backward's fusions, and the fusion holding that row reduction could not also sum the scale's gradient
+    # over the rows: it wrote dy · normed in float32 for a pass of its own (bench/RESULTS.md).
+    mean_BxLx1, rstd_BxLx1 = jax.lax.optimization_barrier((mean_BxLx1, rstd_BxLx1))
     return y, (x_BxLxD, mean_BxLx1, rstd_BxLx1, scale)
 
 

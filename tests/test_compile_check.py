@@ -149,6 +149,9 @@ def test_andrea120m_as_typed_fits_each_colab_gpu_by_itself(gpu):
         # The stream stays batch-major: the position embedding's gradient is a scatter-add, not a reduction
         # over the batch that had XLA lay every [B, L, D] array out as [L, D, B].
         assert not re.search(r"\[1024,768,32\]", hlo)
+        # The norms' scale gradients are summed from x and d y as read: no d y · normed written in float32.
+        assert not re.search(r"f32\[32,1024,768\]\{[^}]*\} fusion\(", hlo)
+        assert sum(check.step_cost(steps, target).hbm_bytes.values()) <= 87e9
     if gpu == "h100":
         cost = check.step_cost(steps, target)
         assert cost.mfu_bound >= 0.8
