@@ -3,12 +3,16 @@ JSON Lines and Parquet directories (the hub's path, offline), and the hub's fail
 
 import contextlib
 import glob
+import http.server
 import json
 import os
 import re
+import shutil
 import socket
+import ssl
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -225,6 +229,147 @@ def test_hf_hub_offline_fails_at_once(tmp_path, monkeypatch):
     assert_fails_fast_with_one_line(tmp_path, "HF_HUB_OFFLINE is set")
 
 
+INSTEAD = "or use data.source='tfds:...', 'text:PATH' or 'stdlib'"
+
+
+@pytest.mark.parametrize("variable", hf_stream.OFFLINE_VARIABLES)
+def test_each_offline_switch_fails_at_once(tmp_path, monkeypatch, variable):
+    for name in hf_stream.OFFLINE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "1")
+    monkeypatch.setattr(hf_stream, "hub_reachable", lambda: pytest.fail("the hub was probed"))
+    assert_fails_fast_with_one_line(tmp_path, f"^{variable} is set, and Hugging Face dataset HuggingFaceFW/"
+                                              f"fineweb-edu/sample-10BT streams from the hub; unset it, "
+                                              f"{re.escape(INSTEAD)}$")
+
+
+def test_a_local_directory_streams_with_offline_mode_on(tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    for name in hf_stream.OFFLINE_VARIABLES:
+        monkeypatch.setenv(name, "1")
+    # What the libraries read from those variables when they are imported.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS[:300])
+    prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}"), str(tmp_path / "run"))
+    assert prepared.val.tokens.tolist() == byte_tokens(DOCS[:20])
+
+
+@contextlib.contextmanager
+def serving(server):
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def hub_client(monkeypatch):
+    """huggingface_hub's client made afresh from the environment the test sets (proxies are read at its start)."""
+    from huggingface_hub import close_session
+
+    for name in (*hf_stream.OFFLINE_VARIABLES, "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY",
+                 "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    delays = []
+    monkeypatch.setattr(sources.time, "sleep", delays.append)
+    close_session()
+    yield delays
+    close_session()
+
+
+def assert_refused_at_once(tmp_path, delays, message):
+    assert_fails_fast_with_one_line(tmp_path, f"^{message}, so Hugging Face dataset HuggingFaceFW/fineweb-edu/"
+                                              f"sample-10BT cannot stream from the hub .*{re.escape(INSTEAD)}$")
+    assert delays == []
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test's self-signed certificate")
+def test_a_certificate_this_machine_does_not_trust_is_refused_at_once(tmp_path, monkeypatch, hub_client):
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", tmp_path / "key.pem", "-out", tmp_path / "cert.pem"], check=True, capture_output=True)
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    with serving(server) as port:
+        monkeypatch.setenv("HF_ENDPOINT", f"https://127.0.0.1:{port}")
+        assert_refused_at_once(tmp_path, hub_client, r"^this machine does not trust the hub's TLS certificate")
+        assert_fails_fast_with_one_line(
+            tmp_path, r"\(\[SSL: CERTIFICATE_VERIFY_FAILED\] certificate verify failed: self-signed certificate .*"
+                      r"\); set SSL_CERT_FILE to a CA bundle that holds the certificate of the proxy or hub that signs it")
+
+
+class _ProxyAskingForCredentials(http.server.BaseHTTPRequestHandler):
+    def do_CONNECT(self):
+        self.send_response(407, "Proxy Authentication Required")
+        self.send_header("Proxy-Authenticate", 'Basic realm="proxy"')
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_proxy_asking_for_credentials_is_refused_at_once(tmp_path, monkeypatch, hub_client):
+    with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ProxyAskingForCredentials)) as port:
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("HF_ENDPOINT", f"https://127.0.0.1:{port}")  # listening: the direct probe passes
+        assert_refused_at_once(tmp_path, hub_client, re.escape(
+            "the proxy asks for credentials (407 Proxy Authentication Required)"))
+        assert_fails_fast_with_one_line(tmp_path, re.escape(
+            "(407 Proxy Authentication Required); put them in HTTPS_PROXY as http://USER:PASSWORD@HOST:PORT, "))
+
+
+def test_offline_mode_met_in_the_hub_client_is_refused_at_once(tmp_path, monkeypatch, hub_client):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # set in code, not by a variable
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{listening.getsockname()[1]}")
+        assert_refused_at_once(tmp_path, hub_client, "offline mode is on")
+        assert_fails_fast_with_one_line(tmp_path, "; unset HF_HUB_OFFLINE, HF_DATASETS_OFFLINE and "
+                                                  "TRANSFORMERS_OFFLINE, or use")
+
+
+def test_an_untrusted_certificate_met_while_reading_is_not_retried(tmp_path, monkeypatch):
+    import httpx2
+
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
+    config = make_config(tmp_path, f"hf:{corpus}", stream_tokens=30_000)
+    splits = pipeline.open_splits(config)
+
+    def records():
+        yield {"text": DOCS[0]}
+        try:
+            raise ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")
+        except ssl.SSLError as error:  # as httpx raises it
+            raise httpx2.ConnectError(str(error)) from error
+
+    def opened(open_texts, state=None):
+        texts = open_texts(state)
+        texts.records = records()
+        return texts
+
+    splits.train.open_texts = lambda state=None, open_texts=splits.train.open_texts: opened(open_texts, state)
+    delays = []
+    monkeypatch.setattr(sources.time, "sleep", delays.append)
+    with pytest.raises(DataError) as error:
+        pipeline.token_split(config, splits, ByteTokenizer(), "train")
+    assert delays == []
+    assert re.fullmatch(r"this machine does not trust the hub's TLS certificate, so Hugging Face dataset .*corpus "
+                        r"cannot stream from the hub \(\[SSL: CERTIFICATE_VERIFY_FAILED\] certificate verify "
+                        r"failed\); set SSL_CERT_FILE .*", str(error.value))
+    assert glob.glob(str(tmp_path / "cache" / "**" / "*.bin"), recursive=True) == []
+
+
 offline_only = pytest.mark.skipif(hf_stream.hub_reachable(), reason="the hub is reachable from here")
 
 
@@ -379,6 +524,17 @@ def test_which_errors_are_retried():
     assert hf_stream.transient(wrapped)
     for error in (ValueError("bad row"), answered(404), answered(401), DataError("no field"), KeyError("text")):
         assert not hf_stream.transient(error), error
+    # Connection errors that no retry mends: what `datasets` wraps, a certificate, a proxy's 407.
+    from huggingface_hub.errors import OfflineModeIsEnabled
+    certificate = ConnectionResetError("cannot connect")
+    certificate.__context__ = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify "
+                                                              "failed: self-signed certificate")
+    ProxyError = type("ProxyError", (type("TransportError", (Exception,), {}),), {})  # as httpx names it
+    for error in (OfflineModeIsEnabled("Offline mode is enabled."),
+                  ConnectionError("Couldn't reach 'owner/name' on the Hub (OfflineModeIsEnabled)"), certificate,
+                  ProxyError("407 Proxy Authentication Required"), answered(407)):
+        assert not hf_stream.transient(error) and hf_stream.refusal(error, "the stream"), error
+    assert hf_stream.refusal(TimeoutError(), "the stream") is None
 
 
 def test_a_cache_the_disk_cannot_hold_stops_before_the_tokenizer_streams(tmp_path, monkeypatch):

@@ -11,7 +11,10 @@ training then skips: no document is in both. The BPE sample is the first `data.t
 Nothing is opened before a cache needs building, so a resume whose caches exist reads nothing.
 A stream's reads record its state (`datasets`' `state_dict`), so a token cache build that stops
 goes on from its last finished chunk without streaming what came before it, and a timeout or a
-5xx from the hub is retried from the last read (`sources.StreamedDocuments`).
+5xx from the hub is retried from the last read (`sources.StreamedDocuments`). Errors no retry mends
+(offline mode, a TLS certificate this machine does not trust, a proxy asking for credentials) stop
+the run at once with one line that names the fix; the hub's own client is tried once before the
+dataset is opened, since `datasets` reports them all as "Couldn't reach" it.
 
 `hf:DIRECTORY` streams local JSON Lines or Parquet files through the same call, offline
 (`load_dataset` takes the splits from the file names: `train.jsonl`, `validation.jsonl`, ...).
@@ -23,6 +26,7 @@ import fractions
 import functools
 import math
 import os
+import ssl
 import urllib.parse
 import ml_collections
 
@@ -31,6 +35,9 @@ from andrea_jax.data import DataError, local_files, sources
 # The steps draw their windows at random over the cache: with a tenth more text than they
 # read, a token is drawn about 0.9 times on average rather than once.
 STREAM_MARGIN = fractions.Fraction(11, 10)
+# Each turns the Hugging Face libraries offline (`datasets` reads the second, `huggingface_hub` the others).
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+INSTEAD = "or use data.source='tfds:...', 'text:PATH' or 'stdlib'"
 
 
 def load_arguments(name: str, revision: str = "") -> dict:
@@ -57,24 +64,47 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
 
 
 def _load(arguments: dict, described: str, from_hub: bool):
-    if from_hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        raise DataError(f"HF_HUB_OFFLINE is set, and {described} streams from the hub; unset it, "
-                        f"or use data.source='tfds:...', 'text:PATH' or 'stdlib'")
-    if from_hub and not hub_reachable():
-        raise DataError(f"the Hugging Face hub is unreachable, and {described} streams from it; "
-                        f"run online, or use data.source='tfds:...', 'text:PATH' or 'stdlib'")
+    if from_hub:
+        offline = [name for name in OFFLINE_VARIABLES if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")]
+        if offline:
+            raise DataError(f"{' and '.join(offline)} {'is' if len(offline) == 1 else 'are'} set, and {described} "
+                            f"streams from the hub; unset {'it' if len(offline) == 1 else 'them'}, {INSTEAD}")
+        if not hub_reachable():
+            raise DataError(f"the Hugging Face hub is unreachable, and {described} streams from it; run online, "
+                            f"{INSTEAD}")
     try:
         import datasets
     except ImportError:
         raise DataError(f"{described} needs the datasets package; pip install -r requirements.txt") from None
+    if from_hub:
+        _check_hub_client(described)
     try:
         return datasets.load_dataset(**arguments, streaming=True)
     except Exception as error:  # many types (not found, gated, bad config, connection) for one cause
+        refused = refusal(error, described)
+        if refused:
+            raise refused from None
         if transient(error):  # the stream's reads retry it
             raise
         reason = " ".join(str(error).split()) or type(error).__name__
         raise DataError(f"cannot open {described} ({reason[:300]}); check data.source="
                         f"'hf:OWNER/NAME[/CONFIG]' against the dataset's page") from None
+
+
+def _check_hub_client(described: str) -> None:
+    """One request to the hub through `huggingface_hub`'s client (its certificates, proxy and offline switch),
+    without its retries: what no retry mends is refused here; anything else is left to the stream's reads."""
+    from huggingface_hub.utils import get_session
+
+    try:
+        response = get_session().head(os.environ.get("HF_ENDPOINT") or "https://huggingface.co", timeout=10)
+    except Exception as error:
+        refused = refusal(error, described)
+        if refused:
+            raise refused from None
+        return
+    if response.status_code == 407:  # a plain-HTTP endpoint's proxy answers itself
+        raise refusal(ConnectionError("407 Proxy Authentication Required"), described)
 
 
 def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> sources.Splits:
@@ -126,7 +156,13 @@ class _Texts:
         return self
 
     def __next__(self) -> str:
-        record = next(self.records)
+        try:
+            record = next(self.records)
+        except Exception as error:
+            refused = refusal(error, self.described)
+            if refused:
+                raise refused from None
+            raise
         if self.field not in record:
             raise DataError(f"{self.described} has no field {self.field!r}; set data.text_field to one of "
                             f"{sorted(record)}")
@@ -146,8 +182,54 @@ _TRANSIENT_ERROR_NAMES = {"TransportError", "Timeout", "ChunkedEncodingError", "
                           "ClientPayloadError", "ConnectionError"}
 
 
+def _causes(error: BaseException) -> list[BaseException]:
+    """The error and every error it was raised from or while handling, outermost first."""
+    found, waiting = [], [error]
+    while waiting and len(found) < 32:
+        cause = waiting.pop(0)
+        if cause is not None and all(cause is not seen for seen in found):
+            found.append(cause)
+            waiting += [cause.__cause__, cause.__context__]
+    return found
+
+
+def _status(error: BaseException) -> int | None:
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    status = getattr(error, "status", None) if status is None else status  # aiohttp's
+    return status if isinstance(status, int) else None
+
+
+def _no_retry_fix(error: BaseException) -> tuple[str, str] | None:
+    """(what is wrong, its fix) for an error no retry mends, else None. By class name and text, since
+    `datasets` keeps only the class name of what it wraps (\"Couldn't reach ... (OfflineModeIsEnabled)\")."""
+    for cause in _causes(error):
+        text, names = str(cause), {kind.__name__ for kind in type(cause).__mro__}
+        if "OfflineModeIsEnabled" in names or "OfflineModeIsEnabled" in text:
+            return "offline mode is on", f"unset {', '.join(OFFLINE_VARIABLES[:-1])} and {OFFLINE_VARIABLES[-1]}"
+        if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
+            return ("this machine does not trust the hub's TLS certificate",
+                    "set SSL_CERT_FILE to a CA bundle that holds the certificate of the proxy or hub that signs it")
+        if _status(cause) == 407 or ("407" in text and "proxy" in text.lower()):
+            return ("the proxy asks for credentials (407 Proxy Authentication Required)",
+                    "put them in HTTPS_PROXY as http://USER:PASSWORD@HOST:PORT")
+    return None
+
+
+def refusal(error: BaseException, described: str) -> DataError | None:
+    """The one-line DataError for an error no retry mends, else None."""
+    found = _no_retry_fix(error)
+    if found is None:
+        return None
+    wrong, fix = found
+    reason = " ".join(str(error).split())[:200] or type(error).__name__
+    return DataError(f"{wrong}, so {described} cannot stream from the hub ({reason}); {fix}, {INSTEAD}")
+
+
 def transient(error: BaseException) -> bool:
-    """Whether a stream's error is worth a retry: a timeout, a dropped connection, a 429 or a 5xx."""
+    """Whether a stream's error is worth a retry: a timeout, a dropped connection, a 429 or a 5xx, and
+    neither a user error nor one `refusal` names."""
+    if isinstance(error, DataError) or _no_retry_fix(error):
+        return False
     for cause in (error, error.__cause__, error.__context__):
         if cause is None:
             continue
