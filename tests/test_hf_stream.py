@@ -492,6 +492,43 @@ def test_a_dropped_connection_is_retried_from_the_last_read_and_the_cache_is_unc
     assert open(retried.path, "rb").read() == open(reference.path, "rb").read()
 
 
+def test_a_dropped_connection_while_a_build_reopens_its_stream_is_retried(tmp_path, monkeypatch, capsys):
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
+    config = make_config(tmp_path, f"hf:{corpus}", stream_tokens=30_000)
+    reference = pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
+    monkeypatch.setattr(token_cache, "CHUNK_TOKENS", 4096)
+    config.data.cache_dir = str(tmp_path / "resumed")
+    yielded, next_text = [0], hf_stream._Texts.__next__
+
+    def stops_at_record_500(texts):  # a build stopped after it recorded some chunks
+        yielded[0] += 1
+        if yielded[0] == 500:
+            raise KeyboardInterrupt
+        return next_text(texts)
+
+    monkeypatch.setattr(hf_stream._Texts, "__next__", stops_at_record_500)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
+    assert finished_tokens(tmp_path / "resumed") >= 4096
+    monkeypatch.setattr(hf_stream._Texts, "__next__", next_text)
+    delays, opened = [], []
+    monkeypatch.setattr(sources.time, "sleep", delays.append)
+    splits = pipeline.open_splits(config)
+    open_texts = splits.train.open_texts
+
+    def reopen(state=None):  # the first reopen at the recorded chunk meets a dropped connection
+        opened.append(state)
+        if len(opened) == 1:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return open_texts(state)
+
+    splits.train.open_texts = reopen
+    resumed = pipeline.token_split(config, splits, ByteTokenizer(), "train")
+    assert "going on with the token cache" in capsys.readouterr().out
+    assert delays == [2] and len(opened) == 2 and opened[0] is not None and opened[1] == opened[0]
+    assert open(resumed.path, "rb").read() == open(reference.path, "rb").read()
+
+
 def test_a_stream_that_keeps_failing_stops_with_one_line(tmp_path, monkeypatch):
     corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
     config = make_config(tmp_path, f"hf:{corpus}", stream_tokens=30_000)

@@ -70,10 +70,11 @@ class StreamedDocuments:
     the last one's end). Its length is only a bound, `limit` (else unknown): an empty read is its end.
 
     A stream whose iterator has `state()` (a Hugging Face stream) is resumable: `state_at(position)`
-    is its state after a recent read that ended there, and `resume(position, state)` opens it there
-    through `open_texts(state)`, with no document before it read again (a token cache build goes on
-    from its last chunk). A read that fails with an error `transient` accepts (a timeout, a 5xx) is
-    retried after each of RETRY_DELAYS_S from the last read's state, then reported in one line.
+    is its state after a recent read that ended there, and `resume(position, state)` makes the next
+    read open it there through `open_texts(state)`, with no document before it read again (a token
+    cache build goes on from its last chunk). Opening, resumed or not, is part of the read: a read that
+    fails with an error `transient` accepts (a timeout, a 5xx) is retried after each of RETRY_DELAYS_S
+    from the last known state, then reported in one line.
     """
 
     RETRY_DELAYS_S = (2, 4, 8, 16, 32, 64)
@@ -86,6 +87,7 @@ class StreamedDocuments:
         self._texts: Iterator[str] | None = None
         self._position = 0
         self._states: dict[int, dict] = {}
+        self._resume_at: tuple[int, dict] | None = None  # where the next open starts, if not at the beginning
 
     def __len__(self) -> int:
         return self.limit
@@ -94,9 +96,12 @@ class StreamedDocuments:
         return self._states.get(position)
 
     def resume(self, position: int, state: dict | None) -> None:
-        """The next read from `position` goes on from `state` (None: from the start, skipping to it)."""
-        self._texts = None if state is None else self.open_texts(state)
-        self._position = position if state is not None else 0
+        """The next read from `position` goes on from `state` (None: from the start, skipping to it).
+        The stream opens at that read, inside its retries."""
+        self._texts, self._position = None, 0
+        self._resume_at = None if state is None else (position, state)
+        if state is not None:  # a retry goes back here rather than to the start
+            self._states[position] = state
 
     def read(self, start: int, stop: int) -> list[str]:
         for delay in (*self.RETRY_DELAYS_S, None):
@@ -117,7 +122,9 @@ class StreamedDocuments:
 
     def _read(self, start: int, stop: int) -> list[str]:
         if self._texts is None or start < self._position:
-            self._texts, self._position = self.open_texts(), 0
+            position, state = self._resume_at if self._resume_at and self._resume_at[0] <= start else (0, None)
+            self._texts = self.open_texts() if state is None else self.open_texts(state)
+            self._position, self._resume_at = position, None
         skip, count = start - self._position, max(0, min(stop, self.limit) - start)
         texts = list(itertools.islice(self._texts, skip, skip + count))
         self._position += skip + len(texts)
