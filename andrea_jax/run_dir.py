@@ -6,10 +6,12 @@ directory that holds something else, stops with one line before anything in it i
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import socket
+import tempfile
 import time
 
 import ml_collections
@@ -75,13 +77,22 @@ def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 
 
 def hold(workdir: str) -> int:
-    """Takes the run's lock on `workdir`, or raises ConfigError naming the process that holds it.
+    """Takes the run's lock on `workdir`, or raises ConfigError naming the process that holds it (or saying
+    that the directory is not writable).
 
     The lock is an flock on `run.lock`: the kernel drops it when its holder exits, even by kill -9 or a lost
     machine, so a dead run never blocks the next. Returns the descriptor to keep open for the run's life.
     """
-    os.makedirs(workdir, exist_ok=True)
-    descriptor = os.open(os.path.join(workdir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        # A file that vanishes at close: a directory the run cannot write to stops here, before it holds anything.
+        tempfile.TemporaryFile(dir=workdir).close()
+        descriptor = os.open(os.path.join(workdir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ConfigError(f"--workdir {workdir} cannot be written to ({error.strerror}); make it (or the directory "
+                          f"it goes in) writable, or use another --workdir") from None
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:

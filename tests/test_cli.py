@@ -1,6 +1,10 @@
 """The entry points' one error path: every user error, and a full disk however it arrives, as one line."""
 
+import ctypes
 import errno
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -9,6 +13,8 @@ from andrea_jax.config import ConfigError
 from andrea_jax.data import DataError
 from andrea_jax.gpt2.huggingface import ExportError
 from andrea_jax.runtime import atomic, cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fail_with(error: BaseException):
@@ -38,3 +44,47 @@ def test_a_full_disk_from_deep_inside_a_library_names_the_file(tmp_path, capsys)
 def test_a_bug_keeps_its_traceback():
     with pytest.raises(KeyError, match="not a user error"):
         cli.run(_fail_with(KeyError("not a user error")), join_cluster=False)
+
+
+def _without_root_override():
+    """In the child, before it runs: root loses the capabilities that let it write where modes say no
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so chmod binds it as it binds anyone else."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    for capability in (1, 2):
+        if prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP: gone from the program it executes
+            raise OSError(ctypes.get_errno(), "cannot drop a capability")
+
+
+def test_a_read_only_workdir_is_one_line_and_exit_status_2(tmp_path):
+    from andrea_jax import run_dir
+    from configs import tiny
+
+    empty, started = tmp_path / "empty", tmp_path / "started"
+    empty.mkdir()
+    run_dir.save_config(str(started), tiny.get_config())  # a run's directory, copied somewhere read-only
+    (started / run_dir.LOCK_FILE).write_text("pid 1 on elsewhere")
+    before = {path: path.read_bytes() for path in started.iterdir()}
+    for directory in (empty, started):
+        os.chmod(directory, 0o555)
+    drop = None
+    if os.geteuid() == 0:  # root writes through chmod: run train.py without that power, or skip
+        try:
+            subprocess.run(["true"], preexec_fn=_without_root_override, check=True)
+        except (OSError, subprocess.SubprocessError) as error:
+            pytest.skip(f"running as root, and root's override of file modes cannot be dropped here ({error})")
+        drop = _without_root_override
+    try:
+        for workdir in (empty, empty / "new", started):  # the directory it would be made in may be the read-only one
+            result = subprocess.run(
+                [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
+                 "--config.hellaswag.every=0", f"--config.data.cache_dir={tmp_path / 'cache'}"],
+                capture_output=True, text=True, timeout=300, cwd=ROOT, preexec_fn=drop,
+                env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+            assert (result.returncode, result.stdout, result.stderr) == (
+                2, "", f"error: --workdir {workdir} cannot be written to (Permission denied); make it (or the "
+                       f"directory it goes in) writable, or use another --workdir\n")
+    finally:
+        for directory in (empty, started):
+            os.chmod(directory, 0o755)
+    assert os.listdir(empty) == [] and not os.path.exists(tmp_path / "cache")
+    assert {path: path.read_bytes() for path in started.iterdir()} == before
