@@ -63,7 +63,7 @@ def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step:
         run_dir.check_compatible(run_dir.load_saved_config(workdir), config, workdir)
     tokenizer_path = os.path.join(workdir, pipeline.TOKENIZER_FILE)
     if not os.path.isfile(tokenizer_path):
-        raise EvalError(f"{workdir} has no {pipeline.TOKENIZER_FILE}; pass the directory train.py wrote")
+        raise EvalError(_without_tokenizer(workdir))
     tokenizer = tokenizers.load(tokenizer_path)
     config = ml_collections.ConfigDict(config.to_dict())
     if config.model.vocab_size == 0:
@@ -98,6 +98,25 @@ def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step:
         if ckpt is not None:
             ckpt.close()
     return Restored(state["params"], int(meta["step"]), config, tokenizer, mesh)
+
+
+def _without_tokenizer(workdir: str) -> str:
+    """What a workdir without tokenizer.json is, and what to do: train.py writes config.json first, then the
+    tokenizer while it prepares the data, then checkpoints."""
+    if not os.path.isfile(os.path.join(workdir, run_dir.CONFIG_FILE)):
+        return f"{workdir} has no {pipeline.TOKENIZER_FILE}; pass the directory train.py wrote"
+    directory = checkpoint.directory_of(workdir)
+    ckpt = checkpoint.Checkpointer(workdir, read_only=True) if os.path.isdir(directory) else None
+    try:
+        trained = ckpt is not None and bool(ckpt.steps())
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    if trained:
+        return (f"{workdir} has checkpoints but no {pipeline.TOKENIZER_FILE}; put the run's own "
+                f"{pipeline.TOKENIZER_FILE} back (its checkpoints record its SHA-256)")
+    return (f"the run in {workdir} never finished preparing its data (it has no {pipeline.TOKENIZER_FILE} and no "
+            f"checkpoint): there is nothing to evaluate; run train.py with this --workdir to prepare the data and train")
 
 
 def validation_split(config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer,

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from andrea_jax import checkpoint, evaluate, metrics, train_loop, train_step
+from andrea_jax import checkpoint, evaluate, metrics, run_dir, train_loop, train_step
 from andrea_jax.config import ConfigError
 from andrea_jax.data.tokenizer import CharTokenizer
 from tests.test_checkpoint import tiny_config
@@ -174,6 +174,12 @@ def test_a_run_without_checkpoints_or_config(trained, tmp_path):
         shutil.copy(os.path.join(trained, name), workdir / name)
     with pytest.raises(evaluate.EvalError, match="no checkpoint in .*fresh/checkpoints yet; train first"):
         evaluate.restore(str(workdir), evaluate.run_config(str(workdir)))
+    (workdir / "tokenizer.json").unlink()
+    shutil.copytree(os.path.join(trained, "checkpoints"), workdir / "checkpoints")
+    with pytest.raises(evaluate.EvalError) as error:  # trained, then the tokenizer lost
+        evaluate.restore(str(workdir))
+    assert str(error.value) == (f"{workdir} has checkpoints but no tokenizer.json; put the run's own tokenizer.json "
+                                f"back (its checkpoints record its SHA-256)")
     (workdir / "config.json").unlink()
     with pytest.raises(evaluate.EvalError, match="holds no config.json; pass the directory train.py wrote"):
         evaluate.run_config(str(workdir))
@@ -183,6 +189,19 @@ def test_a_run_without_checkpoints_or_config(trained, tmp_path):
     other_shape.model.d_model = 32
     with pytest.raises(ConfigError, match="holds a run with model.d_model=64, not 32; pass --config.model.d_model=64"):
         evaluate.restore(trained, other_shape)
+
+
+def test_a_run_killed_before_its_tokenizer_was_saved_says_so_and_writes_nothing(tmp_path):
+    workdir = tmp_path / "killed"
+    run_dir.save_config(str(workdir), tiny_config(tmp_path))  # what train.py writes before it prepares the data
+    (workdir / run_dir.LOCK_FILE).write_text("pid 1 on elsewhere, started 2025-01-01 00:00:00")
+    before = {path.name: path.read_bytes() for path in workdir.iterdir()}
+    result = run_eval("--workdir", str(workdir))
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2, "", f"error: the run in {workdir} never finished preparing its data (it has no tokenizer.json and no "
+               f"checkpoint): there is nothing to evaluate; run train.py with this --workdir to prepare the data "
+               f"and train\n")
+    assert {path.name: path.read_bytes() for path in workdir.iterdir()} == before
 
 
 def test_a_mesh_larger_than_the_devices_falls_back_to_every_device_on_the_data_axis(trained, capsys):
