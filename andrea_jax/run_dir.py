@@ -54,6 +54,8 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
         raise ConfigError(f"{path} does not fit this version's config ({error}); use the andrea-jax version "
                           f"that wrote it or a new --workdir") from error
     config.model.attention = RENAMED_ATTENTION.get(config.model.attention, config.model.attention)
+    if "order" not in saved["config"].get("data", {}):  # a run started before data.order: random offsets
+        config.data.order = "random"
     return config
 
 

@@ -28,13 +28,14 @@ from andrea_jax import (UserError, checkpoint, evaluate, fit, flops, loss_scale,
                         sharding, train_step)
 from andrea_jax.tools import hellaswag, parameter_table
 from andrea_jax.config import validate
-from andrea_jax.data import batcher, pipeline
+from andrea_jax.data import batcher, eras, order, pipeline
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.runtime.leader_first import leader_first
 
 
 # All a run writes before its first step: a new workdir holding no more has nothing to keep.
-_START_UP_FILES = {run_dir.CONFIG_FILE, run_dir.LOCK_FILE, pipeline.TOKENIZER_FILE, pipeline.RECORD_FILE}
+_START_UP_FILES = {run_dir.CONFIG_FILE, run_dir.LOCK_FILE, pipeline.TOKENIZER_FILE, pipeline.RECORD_FILE,
+                   eras.RECORD_FILE}
 
 
 class TrainingStopped(UserError):
@@ -80,6 +81,11 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
         if config.model.vocab_size == 0 and os.path.exists(tokenizer_path):  # a resume keeps its tokenizer
             config.model.vocab_size = tokenizers.load(tokenizer_path).vocab_size
         run_dir.check_compatible(saved, config, workdir)
+        for key in ("order", "era_windows"):  # what a resumed run reads is fixed at its start
+            if saved.data[key] != config.data[key]:
+                print(f"{workdir} holds a run started with data.{key}={saved.data[key]!r}: it resumes with it, "
+                      f"not {config.data[key]!r} (a new workdir takes the new value)", flush=True)
+                config.data[key] = saved.data[key]
 
     def as_leader():
         created = not os.path.lexists(workdir)
@@ -127,6 +133,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         read = lambda: hellaswag.load(config.hellaswag.source, config.data.tfds_data_dir)
         hellaswag_examples = leader_first(leader, read, read, "prepare the HellaSwag examples")
     prepared, config, saved = prepare_run(config, workdir, leader, held, device=mesh.devices.flat[0])
+    encoder = _start_encoder(config, workdir, prepared, held, leader)  # encodes while the step compiles
     mesh = sharding.make_mesh(config, devices)  # again: a resume keeps its own micro-batches, which must split here
     hellaswag_rows = None if hellaswag_examples is None else \
         hellaswag.rows_of(hellaswag_examples, config.hellaswag.examples, prepared.tokenizer)
@@ -176,24 +183,69 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         # After the truncation, which replaces the file.
         writer = metrics.Writer(workdir, enabled=leader, start_step=start_step)
         held.callback(writer.close)
-        return _loop(steps, state, start_step, carried_losses, prepared, hellaswag_rows, mesh, peak, ckpt, writer)
+        if encoder is not None and encoder.first_step != start_step:  # a newer checkpoint was unreadable
+            encoder.restart(start_step)
+        reader, make_batch = _batches(config, prepared, encoder)
+        return _loop(steps, state, start_step, carried_losses, prepared, make_batch, reader, hellaswag_rows, mesh,
+                     peak, ckpt, writer)
+
+
+class _Encoder:
+    """The process that encodes a streamed split's eras (`data/eras.py`) from `first_step` on."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, first_step: int) -> None:
+        self.config, self.workdir = config, workdir
+        self.restart(first_step)
+
+    def restart(self, first_step: int) -> None:
+        if getattr(self, "process", None) is not None:
+            self.stop()
+        self.first_step, self.process = first_step, eras.start_encoder(self.workdir, self.config, first_step)
+
+    def stop(self, *_) -> None:
+        self.process.terminate()
+        self.process.wait()
+
+
+def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pipeline.Prepared,
+                   held: contextlib.ExitStack, leader: bool) -> _Encoder | None:
+    if not (leader and isinstance(prepared.train, eras.EraCache)):
+        return None
+    saved_steps = [int(name) for name in os.listdir(checkpoint.directory_of(workdir)) if name.isdigit()] \
+        if os.path.isdir(checkpoint.directory_of(workdir)) else []
+    with contextlib.suppress(FileNotFoundError):  # where an earlier run's steps were: the new one says anew
+        os.remove(prepared.train.position_path)
+    encoder = _Encoder(config, workdir, max(saved_steps, default=0))
+    held.callback(encoder.stop)
+    return encoder
+
+
+def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, encoder: _Encoder | None):
+    """(the era reader or None, make_batch(step) -> this process's rows) for the run's data.order."""
+    rows = dict(batch_size=config.batch_size, process_index=jax.process_index(), process_count=jax.process_count())
+    if isinstance(prepared.train, eras.EraCache):
+        reader = eras.Reader(prepared.train, config.seed, config.seq_len, config.data.keep_eras,
+                             delete_passed=jax.process_index() == 0, encoder=encoder and encoder.process,
+                             log=lambda line: tqdm.write(line))
+        return reader, lambda step: reader.batch(step, **rows)
+    if config.data.order == "epochs":  # a finite split: one era, always there
+        layout = order.Layout(prepared.train.num_tokens, config.seq_len, 0, config.seed)
+        return None, lambda step: batcher.epoch_batch(layout, lambda era: prepared.train.tokens, step=step, **rows)
+    return None, lambda step: batcher.train_batch(prepared.train.tokens, seed=config.seed, step=step,
+                                                  seq_len=config.seq_len, **rows)
 
 
 def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], prepared: pipeline.Prepared,
-          hellaswag_rows: hellaswag.Encoded | None, mesh: jax.sharding.Mesh, peak: float | None,
-          ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
+          make_batch, reader: eras.Reader | None, hellaswag_rows: hellaswag.Encoded | None, mesh: jax.sharding.Mesh,
+          peak: float | None, ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
     config, leader = steps.config, jax.process_index() == 0
     batch_sharding = sharding.batch_sharding(mesh)
     flops_per_token = flops.flops_per_token(config.model, config.seq_len)
     val_windows = config.batch_size * min(config.eval_batches, batcher.num_val_batches(
         prepared.val.num_tokens, config.batch_size, config.seq_len))
 
-    def make_batch(step: int) -> np.ndarray:
-        return batcher.train_batch(prepared.train.tokens, seed=config.seed, step=step, batch_size=config.batch_size,
-                                   seq_len=config.seq_len, process_index=jax.process_index(),
-                                   process_count=jax.process_count())
-
     last_record: dict = {}  # the latest value of every logged figure
+    compared_rates: list = []  # the encoder's rate against training's, said once
     pending: list[tuple[int, dict]] = []  # device metrics since the last host read
     # Host-side losses of the steps since the last log record. A checkpoint carries them,
     # so the first record after a resume averages the same steps as an unbroken run.
@@ -234,6 +286,10 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
             **{key: float(value) for key, value in latest.items()
                if key.startswith("diag/") or key in ("loss_scale", "skipped_steps")},
         }
+        if reader is not None:  # seconds the interval's steps waited for eras being encoded
+            record["data_wait_seconds"], reader.wait_seconds = reader.wait_seconds, 0.0
+            if not compared_rates:
+                compared_rates.append(_compare_rates(reader, record["tokens_per_second"]))
         interval_losses.clear()
         progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:,.0f}",
                              **({"mfu": f"{100 * record['mfu']:.1f}%"} if "mfu" in record else {}))
@@ -264,7 +320,7 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
                                 "data_step": done, "log_interval_losses": [float(loss) for loss in interval_losses]})
 
     stopping = announced = False
-    prefetched = batcher.prefetch(make_batch, start_step, batch_sharding)
+    prefetched = batcher.prefetch(make_batch, start_step, batch_sharding, end_step=config.steps)
     with _stop_signals() as received, contextlib.closing(prefetched) as batches:
         for step, batch in itertools.islice(batches, config.steps - start_step):
             state, step_metrics = steps.train(state, batch)
@@ -296,6 +352,17 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
         print(f"finished step {config.steps}; the last checkpoint is "
               f"{os.path.join(ckpt.directory, str(ckpt.steps()[-1]))}", flush=True)
     return {**last_record, "stopped_at": done} if stopping else last_record
+
+
+def _compare_rates(reader: eras.Reader, tokens_per_second: float) -> None:
+    """One line at the first log: whether the era encoder keeps ahead of the steps (else they wait)."""
+    built = [reader.cache.manifest(era) for era in reader.cache.on_disk()]
+    if not built or not jax.process_index() == 0:
+        return
+    rate = max(int(manifest["tokens_per_second"]) for manifest in built)
+    verdict = "keeps ahead" if rate >= tokens_per_second else "falls behind: steps will wait for eras"
+    tqdm.write(f"the era encoder builds {rate / 1e6:.2f} M tokens/s and training reads "
+               f"{tokens_per_second / 1e6:.2f} M tokens/s: the encoder {verdict}")
 
 
 def _report_schedule_change(saved: ml_collections.ConfigDict | None, config: ml_collections.ConfigDict,

@@ -64,7 +64,10 @@ def test_source_names():
 
 def test_training_takes_the_tokens_asked_for_and_reads_no_further(tmp_path):
     corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
-    splits = pipeline.open_splits(make_config(tmp_path, f"hf:{corpus}"))
+    # data.order="epochs" takes the 40 windows the steps read (their edge tokens shared); "random" a tenth
+    # more than the 10 × 4 × 33 tokens it draws.
+    assert pipeline.open_splits(make_config(tmp_path, f"hf:{corpus}")).train_tokens == 40 * 32 + 1
+    splits = pipeline.open_splits(make_config(tmp_path, f"hf:{corpus}", order="random"))
     assert splits.train_tokens == 1452  # 1.1 × 1320
     given, open_texts = [], splits.train.open_texts
 
@@ -95,7 +98,7 @@ def test_held_out_validation_is_the_stream_start_and_never_reaches_training(tmp_
     assert splits.train.read(0, 3) == DOCS[20:23]
     sample = pipeline.training_sample(splits.train, 2000)  # the BPE's sample: training text only
     assert sample[0] == DOCS[20] and not set(sample) & set(DOCS[:20])
-    prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}"), str(tmp_path / "run"))
+    prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", order="random"), str(tmp_path / "run"))
     assert prepared.val.tokens.tolist() == byte_tokens(DOCS[:20])
     assert prepared.train.tokens[:len(DOCS[20]) + 1].tolist() == byte_tokens(DOCS[20:21])
 
@@ -111,7 +114,7 @@ def test_the_dataset_own_validation_split_is_used(tmp_path):
 
 def test_a_second_prepare_reuses_the_cache_without_reading_the_stream(tmp_path, monkeypatch):
     corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
-    config = make_config(tmp_path, f"hf:{corpus}", tokenizer="bpe", tokenizer_train_bytes=20_000)
+    config = make_config(tmp_path, f"hf:{corpus}", tokenizer="bpe", tokenizer_train_bytes=20_000, order="random")
     workdir = str(tmp_path / "run")
     first = pipeline.prepare(config, workdir)
     assert first.train.num_tokens == 1452 and first.train.manifest["max_tokens"] == 1452
@@ -139,7 +142,7 @@ def test_a_second_prepare_reuses_the_cache_without_reading_the_stream(tmp_path, 
 
 def test_a_resume_with_more_steps_and_an_eval_at_another_length_keep_the_validation_cache(tmp_path, monkeypatch):
     corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
-    config, workdir = make_config(tmp_path, f"hf:{corpus}"), str(tmp_path / "run")
+    config, workdir = make_config(tmp_path, f"hf:{corpus}", order="random"), str(tmp_path / "run")
     first = pipeline.prepare(config, workdir)
     built = os.path.getmtime(first.val.path)
     config.steps = 20  # a resume that trains on needs more training text, and only that
@@ -168,7 +171,8 @@ def test_a_text_column_that_is_not_text_stops_before_anything_is_written(tmp_pat
     assert no_data_left(tmp_path)
     # None stays an empty document, which adds nothing.
     write_jsonl(corpus / "train.jsonl", DOCS[:5] + [None] * 5 + DOCS[5:200])
-    prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", stream_val_documents=5), str(tmp_path / "ok"))
+    prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", stream_val_documents=5, order="random"),
+                                str(tmp_path / "ok"))
     assert prepared.train.tokens[:len(DOCS[5]) + 1].tolist() == byte_tokens(DOCS[5:6])
 
 
@@ -202,7 +206,8 @@ def test_the_text_field_is_configurable_on_parquet(tmp_path):
     with pytest.raises(DataError, match=r"has no field 'text'; set data.text_field to one of \['content', 'id'\]"):
         pipeline.prepare(make_config(tmp_path, f"hf:{corpus}"), str(tmp_path / "run"))
     assert glob.glob(str(tmp_path / "cache" / "**" / "*.bin*"), recursive=True) == []
-    prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", text_field="content"), str(tmp_path / "run"))
+    prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", text_field="content", order="random"),
+                                str(tmp_path / "run"))
     assert prepared.val.tokens.tolist() == byte_tokens(DOCS[:20])
     assert prepared.train.tokens.tolist() == byte_tokens(DOCS[20:])[:1452]
 
@@ -575,7 +580,8 @@ def test_which_errors_are_retried():
 
 
 def test_a_cache_the_disk_cannot_hold_stops_before_the_tokenizer_streams(tmp_path, monkeypatch):
-    config = make_config(tmp_path, FINEWEB, tokenizer="bpe", stream_tokens=10_000_000_000)
+    # keep_eras=0 keeps every era: the whole cache at once.
+    config = make_config(tmp_path, FINEWEB, tokenizer="bpe", stream_tokens=10_000_000_000, keep_eras=0)
     monkeypatch.setattr(hf_stream, "_load", lambda *args: pytest.fail("the dataset was opened"))
     monkeypatch.setattr(token_cache.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 5_300_000_000}))
     with pytest.raises(token_cache.atomic.DiskFull) as refused:

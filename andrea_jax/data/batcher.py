@@ -1,4 +1,4 @@
-"""Batches of `seq_len + 1` token windows, as pure functions of (seed, step).
+"""Batches of `seq_len + 1` token windows, as pure functions of (seed, step); `order.py` says which.
 
 The batch of a step depends on nothing else, so a run resumed at step k sees
 the batches an uninterrupted run would have seen, with no replay. Each process
@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import jax
 import numpy as np
 
-from andrea_jax.data import DataError
+from andrea_jax.data import DataError, order
 
 
 def local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
@@ -35,9 +35,23 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray
     return batch_BxLp1
 
 
+def epoch_batch(layout: order.Layout, tokens_of: Callable[[int], np.ndarray], *, step: int, batch_size: int,
+                process_index: int = 0, process_count: int = 1) -> np.ndarray:
+    """data.order="epochs": this process's rows of the step's batch, positions step·B ... of the run's
+    order (`order.py`), read from `tokens_of(era)`: int32 [batch_size // process_count, seq_len + 1]."""
+    positions = np.arange(step * batch_size, (step + 1) * batch_size)[local_rows(batch_size, process_index,
+                                                                                 process_count)]
+    _, eras, offsets = layout.locate(positions)
+    batch_BxLp1 = np.empty((len(positions), layout.seq_len + 1), np.int32)
+    for row, (era, offset) in enumerate(zip(eras, offsets)):
+        batch_BxLp1[row] = tokens_of(int(era))[offset:offset + layout.seq_len + 1]
+    return batch_BxLp1
+
+
 def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,
                 process_index: int = 0, process_count: int = 1) -> np.ndarray:
-    """This process's rows of the step's batch: int32 [batch_size // process_count, seq_len + 1]."""
+    """data.order="random" (runs started before data.order): this process's rows of the step's batch,
+    windows at random offsets drawn with replacement: int32 [batch_size // process_count, seq_len + 1]."""
     num_windows = len(tokens) - seq_len
     if num_windows < 1:
         raise DataError(f"the training split has {len(tokens)} tokens, fewer than seq_len + 1 = "
@@ -80,17 +94,18 @@ def to_global(local_batch: np.ndarray, sharding: jax.sharding.Sharding) -> jax.A
 
 
 def prefetch(make_batch: Callable[[int], np.ndarray], start_step: int, sharding: jax.sharding.Sharding,
-             depth: int = 2) -> Iterator[tuple[int, jax.Array]]:
-    """Yields (step, global batch) from start_step on, each built and put on the devices `depth` steps
-    ahead by a background thread, so the accelerator does not wait for the host. An error in
-    `make_batch` is raised by `next`; closing the generator stops the thread and drops the batches
-    it had ready."""
+             depth: int = 2, end_step: int | None = None) -> Iterator[tuple[int, jax.Array]]:
+    """Yields (step, global batch) from start_step until end_step (None: on), each built and put on the
+    devices `depth` steps ahead by a background thread, so the accelerator does not wait for the host.
+    An error in `make_batch` is raised by `next`; closing the generator stops the thread and drops the
+    batches it had ready."""
     build = lambda step: (step, to_global(make_batch(step), sharding))
+    steps = itertools.count(start_step) if end_step is None else iter(range(start_step, end_step))
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-prefetch")
-    ahead = collections.deque(pool.submit(build, step) for step in range(start_step, start_step + max(1, depth)))
+    ahead = collections.deque(pool.submit(build, step) for step in itertools.islice(steps, max(1, depth)))
     try:
-        for step in itertools.count(start_step + len(ahead)):
-            ahead.append(pool.submit(build, step))
+        while ahead:
+            ahead.extend(pool.submit(build, step) for step in itertools.islice(steps, 1))
             yield ahead.popleft().result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

@@ -1,9 +1,8 @@
 """`hf:OWNER/NAME[/CONFIG]`: a Hugging Face dataset, streamed with `datasets.load_dataset(..., streaming=True)`.
 
 The dataset's files are read in order and only as far as the run tokenizes, so a run
-downloads about what it uses. Training takes `data.stream_tokens` tokens, 0 meaning
-STREAM_MARGIN × the steps × batch_size × (seq_len + 1) tokens its steps read; the training
-token cache stops there, and the amount is part of its key (not of validation's, so that a
+downloads about what it uses. Training takes `data.stream_tokens` tokens, 0 meaning what the
+run's steps read (`pipeline.open_splits`); the training token cache (or its eras) stops there, and the amount is part of its key (not of validation's, so that a
 resume with more steps or an evaluation at another seq_len finds validation's cache).
 Validation is the first `data.stream_val_documents` documents of the dataset's
 `data.val_split` when it has one, else the first documents of the training split, which
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import fractions
 import functools
-import math
 import os
 import ssl
 import urllib.parse
@@ -32,8 +30,8 @@ import ml_collections
 
 from andrea_jax.data import DataError, local_files, sources
 
-# The steps draw their windows at random over the cache: with a tenth more text than they
-# read, a token is drawn about 0.9 times on average rather than once.
+# data.order="random" draws windows at random over the cache: with a tenth more text than the
+# steps read, a token is drawn about 0.9 times on average rather than once.
 STREAM_MARGIN = fractions.Fraction(11, 10)
 # Each turns the Hugging Face libraries offline (`datasets` reads the second, `huggingface_hub` the others).
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -108,13 +106,14 @@ def _check_hub_client(described: str) -> None:
 
 
 def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> sources.Splits:
+    # steps_tokens: the budget data.stream_tokens=0 stands for (`pipeline.open_splits`)
     """Train and validation documents of `hf:NAME`, opened at the first read (a hub dataset only
     once the hub answers)."""
     arguments = load_arguments(name, str(data.hf_revision))
     local = os.path.isdir(arguments["path"])
     field, train_split, val_split = str(data.text_field), str(data.train_split), str(data.val_split)
     val_documents, stream_tokens = int(data.stream_val_documents), int(data.stream_tokens)
-    train_tokens = stream_tokens or math.ceil(STREAM_MARGIN * steps_tokens)
+    train_tokens = stream_tokens or steps_tokens
     described = "Hugging Face dataset " + "/".join(str(arguments[key]) for key in ("path", "name") if key in arguments)
     described += f" at revision {arguments['revision']}" if "revision" in arguments else ""
     dataset = functools.cache(lambda: _load(arguments, described, not local))

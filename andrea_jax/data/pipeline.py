@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Iterator
@@ -17,7 +18,7 @@ from typing import Iterator
 import ml_collections
 
 from andrea_jax.runtime import atomic
-from andrea_jax.data import DataError, batcher, hf_stream, local_files, sources, token_cache
+from andrea_jax.data import DataError, batcher, eras, hf_stream, local_files, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.sources import Documents
 from andrea_jax.data.token_cache import TokenSplit
@@ -32,12 +33,12 @@ _READ_DOCUMENTS = 256
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     tokenizer: Tokenizer
-    train: TokenSplit
+    train: TokenSplit | eras.EraCache  # eras: a streamed split in data.order="epochs", built beside training
     val: TokenSplit
 
 
 def open_source(data: ml_collections.ConfigDict, steps_tokens: int = 0) -> sources.Splits:
-    """The documents `data.source` names; `steps_tokens` (the tokens the run's steps read) sizes a stream."""
+    """The documents `data.source` names; `steps_tokens` (the tokens the run's steps read) is a stream's budget."""
     source = str(data.source)
     kind, colon, spec = source.partition(":")
     kind += colon  # "tfds:", "hf:", "text:", "url:" or "stdlib"
@@ -61,9 +62,26 @@ def open_source(data: ml_collections.ConfigDict, steps_tokens: int = 0) -> sourc
 
 
 def open_splits(config: ml_collections.ConfigDict) -> sources.Splits:
-    """The documents of `config.data`; a stream sized by the tokens the run's steps read."""
-    steps_tokens = int(config.steps) * int(config.batch_size) * (int(config.seq_len) + 1)
-    return open_source(config.data, steps_tokens)
+    """The documents of `config.data`; a stream sized by the tokens the run's steps read (data.stream_tokens=0):
+    in data.order="epochs" exactly their windows, in "random" a tenth more than they draw."""
+    windows, seq_len = int(config.steps) * int(config.batch_size), int(config.seq_len)
+    if config.data.order == "random":
+        return open_source(config.data, math.ceil(hf_stream.STREAM_MARGIN * windows * (seq_len + 1)))
+    return open_source(config.data, eras.tokens_for_windows(windows, seq_len, int(config.data.era_windows)))
+
+
+def uses_eras(config: ml_collections.ConfigDict, splits: sources.Splits) -> bool:
+    """Whether the training split is cached in eras: a stream read in data.order="epochs"."""
+    return config.data.order == "epochs" and isinstance(splits.train, sources.StreamedDocuments)
+
+
+def era_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources.Splits,
+              tokenizer: Tokenizer) -> eras.EraCache:
+    """The eras of a streamed training split, keyed like a token cache and by their size."""
+    size = eras.era_tokens(config.data, int(config.seq_len))
+    identity = {**splits.identity, "train_tokens": splits.train_tokens, "era_tokens": size}
+    directory = token_cache.cache_directory(sources.cache_dir_of(config.data), identity, tokenizer.sha256)
+    return eras.EraCache(directory, os.path.join(workdir, eras.RECORD_FILE), size, splits.train_tokens)
 
 
 def _texts(documents: Documents, start: int = 0, stop: int = sys.maxsize) -> Iterator[str]:
@@ -165,15 +183,29 @@ def _built_by_the_leader(directory: str, split: str) -> TokenSplit:
 def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
     os.makedirs(workdir, exist_ok=True)
     splits = open_splits(config)
+    in_eras = uses_eras(config, splits)
     if splits.train_tokens and not os.path.exists(os.path.join(workdir, TOKENIZER_FILE)):
         # A new tokenizer may stream its sample first: the disk is checked before that, for the
-        # whole training cache (the build checks again, counting what it has finished).
-        token_cache.require_space(sources.cache_dir_of(config.data),
-                                  splits.train_tokens * token_cache.TOKEN_BYTES)
+        # whole training cache or the eras kept at once (the build checks again, counting what it has finished).
+        eras_at_once = (int(config.data.keep_eras) + 1) * eras.era_tokens(config.data, int(config.seq_len))
+        if in_eras:
+            to_write = min(splits.train_tokens, eras_at_once) if int(config.data.keep_eras) else splits.train_tokens
+        else:  # a cache built before, whole or in part, by another run of this source
+            identity = {**splits.identity, "train_tokens": splits.train_tokens}
+            to_write = splits.train_tokens - token_cache.tokens_on_disk(sources.cache_dir_of(config.data), identity)
+        token_cache.require_space(sources.cache_dir_of(config.data), to_write * token_cache.TOKEN_BYTES)
     tokenizer, new_tokenizer = tokenizer_for_run(config, workdir, splits.train)
-    train, val = (token_split(config, splits, tokenizer, split) for split in ("train", "val"))
+    if in_eras:  # era 0 and the rest are built by the encoder process the training loop starts
+        if not any(splits.train.read(0, _READ_DOCUMENTS)):
+            raise DataError(token_cache.no_text("train"))
+        train = era_cache(config, workdir, splits, tokenizer)
+        eras.new_record(train, {**splits.identity, "train_tokens": splits.train_tokens})
+        eras.check_space(train, int(config.data.keep_eras))
+    else:
+        train = token_split(config, splits, tokenizer, "train")
+    val = token_split(config, splits, tokenizer, "val")
     seq_len, batch_size = int(config.seq_len), int(config.batch_size)
-    if train.num_tokens < seq_len + 1:
+    if not in_eras and train.num_tokens < seq_len + 1:
         raise DataError(f"the training split has {train.num_tokens} tokens, fewer than seq_len + 1 "
                         f"= {seq_len + 1}; add text or lower seq_len")
     if batcher.num_val_batches(val.num_tokens, batch_size, seq_len) < 1:
@@ -183,8 +215,10 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepa
             f"(data.stream_val_documents for hf:), add text, or lower batch_size or seq_len")
     if new_tokenizer:  # saved once the data is known to train on: a refused run leaves none to reuse
         tokenizer.save(os.path.join(workdir, TOKENIZER_FILE))
-    record = {"cache_directories": {"train": os.path.dirname(train.path), "val": os.path.dirname(val.path)},
-              "tokenizer_sha256": tokenizer.sha256, "source": splits.identity}
+    record = {"cache_directories": {"train": train.directory if in_eras else os.path.dirname(train.path),
+                                    "val": os.path.dirname(val.path)},
+              "tokenizer_sha256": tokenizer.sha256, "source": splits.identity,
+              **({"train_eras": dataclasses.asdict(train)} if in_eras else {})}
     atomic.write(os.path.join(workdir, RECORD_FILE), json.dumps(record, indent=1))
     return Prepared(tokenizer, train, val)
 
@@ -198,9 +232,12 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = T
     record_path = os.path.join(workdir, RECORD_FILE)
     try:
         with open(record_path, encoding="utf-8") as f:
-            directories = json.load(f)["cache_directories"]
+            record = json.load(f)
+        directories = record["cache_directories"]
     except (OSError, ValueError, KeyError) as error:
         raise DataError(f"cannot read {record_path} ({error}); the leading process must prepare "
                         f"the data first, in a workdir all processes share") from None
     tokenizer = tokenizers.load(os.path.join(workdir, TOKENIZER_FILE))  # the leader checked it against the config
-    return Prepared(tokenizer, *(_built_by_the_leader(directories[split], split) for split in ("train", "val")))
+    train = eras.EraCache(**record["train_eras"]) if "train_eras" in record else \
+        _built_by_the_leader(directories["train"], "train")
+    return Prepared(tokenizer, train, _built_by_the_leader(directories["val"], "val"))

@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -133,9 +134,29 @@ def _finished_chunks(directory: str, split: str, max_tokens: int) -> dict:
     return recorded if fits and finished.get("max_tokens") == max_tokens else nothing
 
 
+def tokens_on_disk(cache_dir: str, identity: dict, split: str = "train") -> int:
+    """The most tokens of `split` of this source that a cache under `cache_dir` holds, whole or in finished
+    chunks, whatever its tokenizer: before a new tokenizer exists, what a build need not write again."""
+    found = 0
+    for directory in glob.glob(os.path.join(cache_dir, "tokens", "*")):
+        for path in (_paths(directory, split)[1], _progress_path(directory, split)):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                with open(path, encoding="utf-8") as f:
+                    record = json.load(f)
+                if record["source"] == identity:
+                    found = max(found, int(record["num_tokens"]))
+    return found
+
+
+def no_text(split: str) -> str:
+    return (f"the {split} split has no text (0 tokens); add text to the source, or hold out "
+            f"{'less' if split == 'train' else 'more'} of it for validation (data.val_fraction; "
+            f"data.stream_val_documents for hf:)")
+
+
 def require_space(directory: str, needed_bytes: int) -> None:
     """Stops a build the disk cannot hold before it streams anything."""
-    existing = directory
+    existing = os.path.abspath(directory)  # a relative path's dirname ends in "", not "/"
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     free = shutil.disk_usage(existing).free
@@ -232,7 +253,7 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
     def commit(written: dict) -> None:
         out.flush()
         os.fsync(out.fileno())
-        atomic.write(progress_path, json.dumps({**written, "max_tokens": max_tokens}))
+        atomic.write(progress_path, json.dumps({**written, "max_tokens": max_tokens, "source": identity}))
 
     try:
         with atomic.writing(tokens_path), open(temporary, "r+b" if finished["num_tokens"] else "wb") as out:
@@ -243,9 +264,7 @@ def build(documents: Documents, tokenizer: Tokenizer, directory: str, split: str
             out.flush()
             os.fsync(out.fileno())
         if num_tokens == 0:
-            raise DataError(f"the {split} split has no text (0 tokens); add text to the source, or hold out "
-                            f"{'less' if split == 'train' else 'more'} of it for validation (data.val_fraction; "
-                            f"data.stream_val_documents for hf:)")
+            raise DataError(no_text(split))
     except BaseException:  # a failed build leaves only its finished chunks behind
         if not os.path.exists(progress_path):
             with contextlib.suppress(FileNotFoundError):  # `open` itself may have failed

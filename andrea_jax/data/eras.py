@@ -1,0 +1,381 @@
+"""A streamed training split cached in eras, built by an encoder beside the training loop.
+
+Era k is tokens [k·era_tokens, (k + 1)·era_tokens) of the split (`order.py` cuts its windows), in
+`<cache>/train.era<k>.bin` with a manifest `train.era<k>.json` written last: an era is there whole or
+not at all. Where each era starts in the stream (the document, the token inside it, the `datasets`
+state of a read at or before that document) is recorded in the workdir's `eras.json` as soon as the
+era before it is done, so a resume on a fresh machine with an empty cache opens the stream where the
+first era it needs starts, and builds only the eras from its step on. With `keep_eras`, the training
+loop deletes the eras its steps have passed and the encoder waits while that many are on disk.
+
+The encoder is its own process (`python -m andrea_jax.data.eras`), so that encoding never takes the
+training loop's interpreter; it exits when its parent does. A step whose era is not ready waits for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import ml_collections
+import numpy as np
+
+from andrea_jax.data import DataError, order
+from andrea_jax.data.sources import StreamedDocuments
+from andrea_jax.data.token_cache import TOKEN_BYTES, TOKEN_DTYPE, require_space
+from andrea_jax.data.tokenizer import Tokenizer
+from andrea_jax.runtime import atomic
+
+RECORD_FILE = "eras.json"  # in the workdir: the eras' starts, all a fresh machine needs
+_TARGET_READ_BYTES = 4 << 20  # text a read of the stream brings, about
+_POLL_S = 0.2
+_PR_SET_PDEATHSIG = 1
+
+
+def era_tokens(data: ml_collections.ConfigDict, seq_len: int) -> int:
+    """Tokens an era holds: `data.era_windows` windows of seq_len + 1 that share their edge tokens."""
+    return int(data.era_windows) * seq_len + 1
+
+
+def tokens_for_windows(windows: int, seq_len: int, era_windows: int) -> int:
+    """The split's tokens that hold `windows` windows in epoch 0, cut in eras of `era_windows`."""
+    full, rest = divmod(windows, era_windows)
+    return full * (era_windows * seq_len + 1) + (rest * seq_len + 1 if rest else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EraCache:
+    """A streamed split's eras in `directory`, their starts recorded in `record_path` (the workdir's)."""
+
+    directory: str
+    record_path: str
+    era_tokens: int
+    planned_tokens: int  # the stream's budget; `final_tokens` in the record when the stream ended before it
+
+    def paths(self, era: int) -> tuple[str, str]:
+        stem = os.path.join(self.directory, f"train.era{era:05d}")
+        return f"{stem}.bin", f"{stem}.json"
+
+    def record(self) -> dict:
+        try:
+            with open(self.record_path, encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            raise DataError(f"{self.record_path} is unreadable ({error}); delete it and the run rebuilds "
+                            f"its eras from the start of the stream") from None
+
+    def total_tokens(self) -> int:
+        return int(self.record().get("final_tokens") or self.planned_tokens)
+
+    def layout(self, seed: int, seq_len: int) -> order.Layout:
+        return order.Layout(self.total_tokens(), seq_len, self.era_tokens, seed)
+
+    def load(self, era: int) -> np.ndarray | None:
+        """Era `era`'s tokens (read-only memmap) when it is built, else None."""
+        tokens_path, manifest_path = self.paths(era)
+        try:
+            with open(manifest_path, encoding="utf-8") as f:
+                num_tokens = int(json.load(f)["num_tokens"])
+            if os.path.getsize(tokens_path) == num_tokens * TOKEN_BYTES:
+                return np.memmap(tokens_path, dtype=TOKEN_DTYPE, mode="r", shape=(num_tokens,))
+        except (OSError, ValueError, KeyError):
+            pass
+        return None
+
+    def on_disk(self) -> list[int]:
+        names = glob.glob(os.path.join(self.directory, "train.era*.json"))
+        return sorted(int(re.search(r"era(\d+)\.json$", name).group(1)) for name in names)
+
+    def delete(self, era: int) -> None:
+        for path in reversed(self.paths(era)):  # the manifest first: a half-deleted era is not there
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+    @property
+    def position_path(self) -> str:
+        """Where the training loop says which era of the run's order (its sequence number) it reads now."""
+        return os.path.join(os.path.dirname(self.record_path), "eras.position.json")
+
+    def position(self) -> int | None:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            with open(self.position_path, encoding="utf-8") as f:
+                return int(json.load(f)["sequence"])
+        return None
+
+    def manifest(self, era: int) -> dict:
+        with open(self.paths(era)[1], encoding="utf-8") as f:
+            return json.load(f)
+
+
+def era_range(layout: order.Layout, batch_size: int, first_step: int, last_step: int) -> tuple[int, int]:
+    """The sequence numbers (`Layout.era_sequence_number`) of the first and last era steps first..last read."""
+    first = layout.locate(np.arange(first_step * batch_size, (first_step + 1) * batch_size))
+    last = layout.locate(np.arange(last_step * batch_size, (last_step + 1) * batch_size))
+    return (int(layout.era_sequence_number(*first[:2]).min()), int(layout.era_sequence_number(*last[:2]).max()))
+
+
+# ---- building ----
+
+def _encode_documents(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Each text's tokens and then end-of-text (none for an empty text)."""
+    separator = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
+    encoded = iter(tokenizer.encode_arrays([t for t in texts if t]))
+    return [np.concatenate([next(encoded), np.array(separator, np.int32)]) if text else np.zeros(0, np.int32)
+            for text in texts]
+
+
+def build_era(cache: EraCache, era: int, documents: StreamedDocuments, tokenizer: Tokenizer, start: dict,
+              length: int, log=print) -> tuple[dict | None, int]:
+    """Encodes era `era` from `start` (a record of where it begins) into the cache: at most `length` tokens.
+    Returns (the start of the next era, or None where the stream ended; the tokens written)."""
+    tokens_path, manifest_path = cache.paths(era)
+    temporary = f"{tokens_path}.tmp"
+    started = time.perf_counter()
+    state_position, state = int(start["state_position"]), start["state"]
+    position, skip = int(start["document"]), int(start["token"])
+    documents.resume(state_position, state)
+    written = num_bytes = 0
+    next_start = None
+    per_read = 16
+    with atomic.writing(tokens_path), open(temporary, "wb") as out, \
+            concurrent.futures.ThreadPoolExecutor(1) as reader:
+        pending = reader.submit(documents.read, position, position + per_read)
+        while next_start is None and (texts := pending.result()):
+            read_at, read_state = position, (state if position == state_position else documents.state_at(position))
+            if read_state is not None or position == 0:
+                state_position, state = read_at, read_state
+            position += len(texts)
+            text_bytes = sum(len(t.encode("utf-8")) for t in texts)
+            per_read = int(np.clip(_TARGET_READ_BYTES * len(texts) / max(text_bytes, 1), 1, 65536))
+            pending = reader.submit(documents.read, position, position + per_read)  # read while this is encoded
+            for index, ids in enumerate(_encode_documents(tokenizer, texts)):
+                taken = ids[skip:skip + length - written]
+                out.write(taken.astype(TOKEN_DTYPE).tobytes())
+                written += taken.size
+                num_bytes += len(tokenizer.decode(taken.tolist()).encode("utf-8")) if skip or taken.size < ids.size \
+                    else len(texts[index].encode("utf-8"))
+                if written == length:  # the era ends here: the next one starts with this document's rest
+                    cut = skip + taken.size
+                    document = read_at + index + (cut == ids.size)
+                    next_start = {"document": document, "token": 0 if cut == ids.size else cut,
+                                  "state_position": state_position, "state": state}
+                    break
+                skip = 0
+        pending.cancel()
+        out.flush()
+        os.fsync(out.fileno())
+    if written == 0:  # the stream ended where this era would start
+        os.remove(temporary)
+        _record_start(cache, era, None, final_tokens=era * cache.era_tokens)
+        return None, 0
+    os.replace(temporary, tokens_path)
+    seconds = time.perf_counter() - started
+    manifest = {"era": era, "num_tokens": written, "num_bytes": num_bytes, "build_seconds": round(seconds, 3),
+                "tokens_per_second": round(written / max(seconds, 1e-9)), "start": start}
+    _record_start(cache, era + 1, next_start, final_tokens=None if next_start else era * cache.era_tokens + written)
+    atomic.write(manifest_path, json.dumps(manifest, indent=1))
+    log(f"era {era} encoded: {written:,} tokens in {seconds:.1f} s ({num_bytes / max(seconds, 1e-9) / 1e6:.1f} MB/s "
+        f"of text, {written / max(seconds, 1e-9) / 1e6:.2f} M tokens/s)")
+    return next_start, written
+
+
+def _record_start(cache: EraCache, era: int, start: dict | None, final_tokens: int | None) -> None:
+    record = cache.record()
+    if start is not None:
+        record.setdefault("starts", {})[str(era)] = start
+    if final_tokens is not None:
+        record["final_tokens"] = final_tokens
+    atomic.write(cache.record_path, json.dumps(record))
+
+
+def new_record(cache: EraCache, identity: dict) -> None:
+    """Starts the workdir's record of a new run's eras (kept as it is on a resume)."""
+    record = cache.record()
+    if record.get("era_tokens") not in (None, cache.era_tokens) or record.get("identity", identity) != identity:
+        raise DataError(f"{cache.record_path} records another stream's eras; resume with the data.source, "
+                        f"data.era_windows and seq_len the run started with, or use a new workdir")
+    if not record:
+        record = {"identity": identity, "era_tokens": cache.era_tokens, "planned_tokens": cache.planned_tokens,
+                  "starts": {"0": {"document": 0, "token": 0, "state_position": 0, "state": None}}}
+        atomic.write(cache.record_path, json.dumps(record))
+
+
+def encode(cache: EraCache, documents: StreamedDocuments, tokenizer: Tokenizer, layout_of, batch_size: int,
+           first_step: int, last_step: int, keep_eras: int, alive=lambda: True, log=print) -> None:
+    """Builds, in the order the steps first..last meet them, the eras they read that are not on disk; with
+    keep_eras, only the keep_eras from the one the training loop reads now (`EraCache.position`; before it
+    says, the first step's) on. `layout_of()` is the split's current layout."""
+    os.makedirs(cache.directory, exist_ok=True)
+    for stale in glob.glob(os.path.join(cache.directory, "train.era*.bin.tmp")):  # a killed encoder's
+        os.remove(stale)
+    layout = layout_of()
+    sequence, last = era_range(layout, batch_size, first_step, last_step)
+    position = sequence  # where the steps are: it only moves on
+    while sequence <= last and alive():
+        while keep_eras and sequence >= (position := max(position, cache.position() or 0)) + keep_eras:
+            if not alive():
+                return
+            time.sleep(_POLL_S)
+        if keep_eras:  # an earlier run's eras outside the steps' window go before another is built
+            drop_outside(cache, layout, position, keep_eras)
+        era = sequence % layout.num_eras
+        sequence += 1
+        if cache.load(era) is not None:
+            continue
+        known = max(k for k in map(int, cache.record()["starts"]) if k <= era)
+        for building in range(known, era + 1):  # the eras before `era` only to find where it starts
+            next_start, _ = build_era(cache, building, documents, tokenizer, cache.record()["starts"][str(building)],
+                                      layout.era_length(building), log)
+            if building < era:
+                cache.delete(building)
+            if next_start is None and cache.total_tokens() < layout.total_tokens:  # fewer eras than planned
+                log(f"the stream ended after {cache.total_tokens():,} tokens, fewer than the {layout.total_tokens:,} "
+                    f"planned; later epochs read its text again")
+                layout = layout_of()  # still in epoch 0, which now ends sooner
+                sequence, last = min(sequence, layout.num_eras), era_range(layout, batch_size, first_step, last_step)[1]
+                break
+
+
+# ---- reading ----
+
+class Reader:
+    """The steps' eras as the training loop reads them: waits for an era not built yet (saying which, and
+    for how long), and, with `keep_eras` and `delete_passed` (the leading process), deletes the eras
+    outside the next keep_eras of the run's order once a step's batch no longer needs them."""
+
+    def __init__(self, cache: EraCache, seed: int, seq_len: int, keep_eras: int, delete_passed: bool,
+                 encoder: subprocess.Popen | None = None, log=print) -> None:
+        self.cache, self.seed, self.seq_len, self.keep_eras = cache, seed, seq_len, keep_eras
+        self.delete_passed, self.encoder, self.log = delete_passed, encoder, log
+        self.wait_seconds = 0.0  # waited for eras since the training loop last took it
+        self._layout = cache.layout(seed, seq_len)
+        self._open: dict[int, np.ndarray] = {}
+        self._position = None
+
+    def layout(self) -> order.Layout:
+        total = self.cache.total_tokens()
+        if total != self._layout.total_tokens:  # the stream ended before its budget
+            self._layout = order.Layout(total, self.seq_len, self.cache.era_tokens, self.seed)
+            self._open.clear()
+        return self._layout
+
+    def _era(self, era: int, step: int, total: int) -> np.ndarray | None:
+        """Era `era`'s tokens, waited for; None when the split turned out shorter than `total` meanwhile."""
+        if era in self._open:
+            return self._open[era]
+        started, said = time.perf_counter(), False
+        while (tokens := self.cache.load(era)) is None:
+            if self.cache.total_tokens() != total:
+                return None
+            if self.encoder is not None and self.encoder.poll() is not None:
+                raise DataError(f"the era encoder stopped (exit code {self.encoder.returncode}, its message is above) "
+                                f"before era {era}; fix what it says and run the same command to resume")
+            if not said:
+                self.log(f"step {step + 1} waits for era {era} of the training split (being encoded)")
+                said = True
+            time.sleep(_POLL_S)
+        if said:
+            waited = time.perf_counter() - started
+            self.wait_seconds += waited
+            self.log(f"step {step + 1} waited {waited:.1f} s for era {era}")
+        self._open[era] = tokens
+        return tokens
+
+    def batch(self, step: int, batch_size: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+        from andrea_jax.data import batcher
+
+        while True:
+            layout = self.layout()
+            needed = np.unique(layout.locate(np.arange(step * batch_size, (step + 1) * batch_size))[1])
+            eras = {int(era): self._era(int(era), step, layout.total_tokens) for era in needed}
+            if all(tokens is not None for tokens in eras.values()):
+                break
+        batch = batcher.epoch_batch(layout, eras.__getitem__, step=step, batch_size=batch_size,
+                                    process_index=process_index, process_count=process_count)
+        if self.keep_eras and self.delete_passed:
+            epochs, eras_of_step, _ = layout.locate(np.arange(step * batch_size, (step + 1) * batch_size))
+            first = int(layout.era_sequence_number(epochs, eras_of_step).min())
+            if first != self._position:  # the encoder builds up to keep_eras from here; the rest goes
+                self._position = first
+                atomic.write(self.cache.position_path, json.dumps({"sequence": first}))
+                for era in drop_outside(self.cache, layout, first, self.keep_eras):
+                    self._open.pop(era, None)
+        return batch
+
+
+def drop_outside(cache: EraCache, layout: order.Layout, position: int, keep_eras: int) -> set[int]:
+    """Deletes the eras on disk outside the keep_eras of the run's order from `position` on; returns them."""
+    window = {sequence % layout.num_eras for sequence in range(position, position + keep_eras)}
+    dropped = set(cache.on_disk()) - window
+    for era in dropped:
+        cache.delete(era)
+    return dropped
+
+
+# ---- the process beside the training loop ----
+
+def start_encoder(workdir: str, config: ml_collections.ConfigDict, first_step: int) -> subprocess.Popen:
+    """The encoder process for the run in `workdir` from step `first_step` on; its output joins the run's."""
+    return subprocess.Popen([sys.executable, "-m", "andrea_jax.data.eras", "--workdir", workdir,
+                             "--first-step", str(first_step), "--config", config.to_json()])
+
+
+def _main() -> None:
+    from andrea_jax.data import pipeline, tokenizer as tokenizers
+
+    parser = argparse.ArgumentParser(description="Encodes a run's streamed training split era by era.")
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--first-step", type=int, required=True)
+    parser.add_argument("--config", required=True, help="the run's config as JSON")
+    arguments = parser.parse_args()
+    config = ml_collections.ConfigDict(json.loads(arguments.config))
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):  # Linux: die with the training run, even by kill -9
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    alive = lambda: os.getppid() == parent  # elsewhere: stop at the next check
+    splits = pipeline.open_splits(config)
+    tokenizer = tokenizers.load(os.path.join(arguments.workdir, pipeline.TOKENIZER_FILE))
+    cache = pipeline.era_cache(config, arguments.workdir, splits, tokenizer)
+    log = lambda line: print(line, flush=True)
+    os.makedirs(cache.directory, exist_ok=True)  # for the lock
+    with open(os.path.join(cache.directory, "train.lock"), "a") as lock:  # one encoder a cache
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        encode(cache, splits.train, tokenizer, lambda: cache.layout(int(config.seed), int(config.seq_len)),
+               int(config.batch_size), arguments.first_step, int(config.steps) - 1, int(config.data.keep_eras),
+               alive, log)
+
+
+def required_space(cache: EraCache, keep_eras: int) -> int:
+    """Bytes the eras still to write need: keep_eras + 1 of them at once, else all."""
+    count = -(-cache.planned_tokens // cache.era_tokens)
+    at_once = min(count, keep_eras + 1) if keep_eras else count
+    on_disk = sum(os.path.getsize(cache.paths(era)[0]) for era in cache.on_disk() if cache.load(era) is not None)
+    return max(0, at_once * cache.era_tokens * TOKEN_BYTES - on_disk)
+
+
+def check_space(cache: EraCache, keep_eras: int) -> None:
+    require_space(cache.directory, required_space(cache, keep_eras))
+
+
+if __name__ == "__main__":
+    from andrea_jax import UserError
+
+    try:
+        _main()
+    except UserError as error:
+        print(f"error: the era encoder stopped: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,315 @@
+"""A streamed training split in eras: built beside training, read in the epoch order, resumed from the workdir."""
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from andrea_jax import metrics
+from andrea_jax.data import eras, pipeline, token_cache
+from andrea_jax.data.tokenizer import ByteTokenizer
+from andrea_jax.run_dir import save_config
+from tests.test_hf_stream import byte_tokens, make_config, write_jsonl
+from tests.test_resume import checkpoint_steps, logged, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = [f"doc {i}: " + " ".join(f"w{(i * 7 + j) % 97}" for j in range(i % 23 + 5)) for i in range(3000)]
+
+
+def era_config(tmp_path, documents=DOCS, **data):
+    """10 steps of 4 windows of 33 tokens, eras of 6 windows: 7 eras (the last of 4 windows) of a byte stream."""
+    return make_config(tmp_path, f"hf:{write_jsonl(tmp_path / 'corpus' / 'train.jsonl', documents)}",
+                       era_windows=6, **data)
+
+
+def prepared_eras(config, workdir):
+    save_config(workdir, config)
+    return pipeline.prepare(config, workdir)
+
+
+def encode_all(config, prepared, first_step=0, keep_eras=0, alive=lambda: True, log=lambda line: None,
+               documents=None):
+    cache = prepared.train
+    eras.encode(cache, documents or pipeline.open_splits(config).train, prepared.tokenizer,
+                lambda: cache.layout(config.seed, config.seq_len), config.batch_size, first_step,
+                config.steps - 1, keep_eras, alive, log)
+
+
+def era_tokens_of(cache):
+    return [np.array(cache.load(era)) for era in range(-(-cache.total_tokens() // cache.era_tokens))]
+
+
+def test_eras_hold_the_stream_cut_where_the_budget_says(tmp_path):
+    config = era_config(tmp_path)
+    prepared = prepared_eras(config, str(tmp_path / "run"))
+    cache = prepared.train
+    assert isinstance(cache, eras.EraCache) and cache.era_tokens == 6 * 32 + 1
+    assert cache.planned_tokens == 6 * (6 * 32 + 1) + 4 * 32 + 1  # exactly the 40 windows the steps read
+    encode_all(config, prepared)
+    built = era_tokens_of(cache)
+    assert [len(tokens) for tokens in built] == [193] * 6 + [129]
+    # The eras, end to end, are the training stream: validation's 20 documents skipped, documents cut
+    # across eras where a budget falls, and each era resumed from its recorded start.
+    assert np.concatenate(built).tolist() == byte_tokens(DOCS[20:])[:cache.planned_tokens]
+    record = cache.record()
+    assert sorted(map(int, record["starts"])) == list(range(8))
+    cut = record["starts"]["3"]
+    # Era 3 starts at token 3 × 193 of the stream: document `document` of training (after validation's 20)
+    # at token `token`.
+    assert byte_tokens(DOCS[20:])[3 * 193:3 * 193 + 5] == byte_tokens([DOCS[20 + cut["document"]]])[
+        cut["token"]:cut["token"] + 5]
+    # Every window the steps read is a slice of its era, and they are all different.
+    reader = eras.Reader(cache, config.seed, config.seq_len, keep_eras=0, delete_passed=False)
+    rows = np.concatenate([reader.batch(step, config.batch_size) for step in range(config.steps)])
+    assert len({tuple(row) for row in rows.tolist()}) == 40
+
+
+def test_steps_train_from_the_first_era_while_the_rest_encode(tmp_path):
+    config = era_config(tmp_path)
+    built_first = prepared_eras(config, str(tmp_path / "built_first"))
+    encode_all(config, built_first)
+    expected = [eras.Reader(built_first.train, config.seed, config.seq_len, 0, False).batch(step, 4)
+                for step in range(config.steps)]
+
+    config.data.cache_dir = str(tmp_path / "growing")
+    prepared = prepared_eras(config, str(tmp_path / "run"))
+    splits = pipeline.open_splits(config)
+    read = splits.train.read
+
+    def slow_read(start, stop):  # a stream that brings a document a tenth of a second: an era in about 0.3 s
+        texts = read(start, min(stop, start + 1))
+        time.sleep(0.1)
+        return texts
+
+    splits.train.read = slow_read
+    encoder = threading.Thread(target=encode_all, args=(config, prepared), kwargs=dict(documents=splits.train))
+    lines = []
+    reader = eras.Reader(prepared.train, config.seed, config.seq_len, 0, False, log=lines.append)
+    encoder.start()
+    batches = [reader.batch(0, 4)]
+    on_disk_at_first_step = len(prepared.train.on_disk())
+    batches += [reader.batch(step, 4) for step in range(1, config.steps)]
+    encoder.join()
+    assert on_disk_at_first_step < 7 / 4  # the first step needed era 0 alone
+    for got, want in zip(batches, expected):
+        np.testing.assert_array_equal(got, want)
+    waits = [line for line in lines if "waited" in line]
+    assert waits and all(re.fullmatch(r"step \d+ waited \d+\.\d s for era \d", line) for line in waits)
+    assert reader.wait_seconds > 0
+
+
+def test_a_fresh_cache_builds_only_the_eras_from_the_resumed_step_on(tmp_path):
+    config = era_config(tmp_path)
+    prepared = prepared_eras(config, str(tmp_path / "run"))
+    encode_all(config, prepared)
+    whole = era_tokens_of(prepared.train)
+    shutil.rmtree(prepared.train.directory)  # a new machine: the workdir, and no cache
+    lines = []
+    encode_all(config, prepared, first_step=6, log=lines.append)  # step 6 reads windows 24..27: era 4
+    assert [int(line.split()[1]) for line in lines] == [4, 5, 6]
+    for era in (4, 5, 6):
+        np.testing.assert_array_equal(prepared.train.load(era), whole[era])
+    assert prepared.train.load(3) is None
+
+
+def test_keep_eras_bounds_the_eras_on_disk(tmp_path):
+    config = era_config(tmp_path)
+    prepared = prepared_eras(config, str(tmp_path / "run"))
+    seen, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.append(len(glob.glob(os.path.join(prepared.train.directory, "train.era*.bin*"))))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    encoder = threading.Thread(target=encode_all, args=(config, prepared), kwargs=dict(keep_eras=2))
+    encoder.start()
+    reader = eras.Reader(prepared.train, config.seed, config.seq_len, keep_eras=2, delete_passed=True)
+    for step in range(config.steps):
+        reader.batch(step, 4)
+    encoder.join()
+    stop.set()
+    watcher.join()
+    assert max(seen) <= 3 and len(prepared.train.on_disk()) <= 2  # kept eras + the one being built
+
+
+def test_a_stream_shorter_than_its_budget_ends_the_epoch_sooner(tmp_path):
+    config = era_config(tmp_path, DOCS[:300], stream_tokens=50_000)  # more than the 280 documents hold
+    config.steps, config.data.era_windows = 300, 60
+    prepared = prepared_eras(config, str(tmp_path / "run"))
+    encode_all(config, prepared)
+    total = len(byte_tokens(DOCS[20:300]))
+    assert prepared.train.total_tokens() == total < 50_000
+    layout = prepared.train.layout(config.seed, config.seq_len)
+    assert layout.num_eras == -(-total // 1921)
+    steps = layout.windows_in_epoch(0) // 4
+    _, era_of, offset_of = layout.locate(np.arange(steps * 4))
+    assert len(set(zip(era_of.tolist(), offset_of.tolist()))) == steps * 4  # each window once
+    reader = eras.Reader(prepared.train, config.seed, config.seq_len, 0, False)
+    rows = np.concatenate([reader.batch(step, 4) for step in range(steps)])
+    stream = np.array(byte_tokens(DOCS[20:300]))
+    starts = era_of * 1921 + offset_of
+    np.testing.assert_array_equal(rows, stream[starts[:, None] + np.arange(33)])
+
+
+# ---- train.py with the encoder process, killed and resumed ----
+
+SLOW_READS = '''
+import importlib.abc, importlib.util, os, sys, time
+DELAY = float(os.environ["ANDREA_TEST_READ_DELAY_S"])
+
+
+class SlowReads(importlib.abc.MetaPathFinder):  # every process's stream reads a document per DELAY seconds
+    def find_spec(self, name, path, target=None):
+        if name != "andrea_jax.data.sources":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            read = module.StreamedDocuments.read
+
+            def slow(self, start, stop):
+                texts = read(self, start, min(stop, start + 2))
+                time.sleep(DELAY * len(texts))
+                return texts
+
+            module.StreamedDocuments.read = slow
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, SlowReads())
+'''
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A config file for train.py over a stream of 16 eras, and the metrics of the run whose eras were built first."""
+    tmp_path = tmp_path_factory.mktemp("eras")
+    config = era_config(tmp_path)
+    config.model.update(dict(n_layer=1, d_model=32, n_head=2, mlp_dim=64, max_len=32))
+    config.update(dict(steps=48, batch_size=4, seq_len=32, log_every=2, eval_every=24, eval_batches=1,
+                       checkpoint_every=8, keep_checkpoints=2, peak_flops=1e12))
+    config.data.update(era_windows=12, keep_eras=3, stream_val_documents=20)
+    config_file = tmp_path / "run_config.py"
+    config_file.write_text("import json\nimport ml_collections\n\n\ndef get_config():\n"
+                           f"    return ml_collections.ConfigDict(json.loads({config.to_json()!r}))\n")
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "slow" / "sitecustomize.py").write_text(SLOW_READS)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONPATH=str(tmp_path / "slow"),
+               ANDREA_TEST_READ_DELAY_S="0.01")
+    paths = dict(root=tmp_path, config=config, config_file=config_file, env=env)
+    built_first = str(tmp_path / "built_first")  # its eras built before train.py starts, with no waiting
+    prepared = prepared_eras(config, built_first)
+    encode_all(config, prepared)
+    process = train(paths, built_first, "--config.data.keep_eras=0")
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0 and "waits for era" not in output, output[-3000:]
+    paths["expected"] = logged(built_first)
+    return paths
+
+
+def train(runs, workdir, *flags, delay="0.01"):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--config", str(runs["config_file"]),
+                             "--workdir", workdir, "--config.data.keep_eras=3", *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(runs["env"], ANDREA_TEST_READ_DELAY_S=delay),
+                            cwd=ROOT)
+
+
+def test_a_run_trains_while_its_eras_encode_and_logs_what_a_prebuilt_one_does(runs):
+    workdir, cache = str(runs["root"] / "growing"), runs["root"] / "growing_cache"
+    process = train(runs, workdir, f"--config.data.cache_dir={cache}", "--config.data.keep_eras=0", delay="0.05")
+    eras_at_first_log = []
+    wait_for(lambda: metrics.read(workdir) if os.path.exists(os.path.join(workdir, "metrics.jsonl")) else False,
+             process, "the first log record")
+    eras_at_first_log.append(len(glob.glob(str(cache / "tokens" / "*" / "train.era*.json"))))
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0, output[-3000:]
+    assert eras_at_first_log[0] < 16 / 4, output[-3000:]  # the first steps came before a quarter of the encode
+    assert "waits for era" in output and "data_wait_seconds" in metrics.read(workdir)[0]
+    assert logged(workdir) == runs["expected"]
+
+
+def kill_when(process, condition, what):
+    wait_for(condition, process, what)
+    process.kill()
+    return process.communicate(timeout=60)[0]
+
+
+def test_kill_9_at_any_moment_and_a_fresh_cache_resume_exactly(runs):
+    workdir, cache = str(runs["root"] / "killed"), runs["root"] / "killed_cache"
+    train_killed = lambda: train(runs, workdir, f"--config.data.cache_dir={cache}")
+    era_files = lambda suffix: glob.glob(str(cache / "tokens" / "*" / f"train.era*{suffix}"))
+    most_on_disk = [0]
+
+    def watching(condition):
+        def check():
+            most_on_disk[0] = max(most_on_disk[0], len(era_files(".bin*")))
+            return condition()
+        return check
+
+    # During era 0's encoding; then while the encoder runs ahead of training; then right after an era is done.
+    kill_when(train_killed(), watching(lambda: era_files(".bin.tmp")), "era 0 being encoded")
+    assert checkpoint_steps(workdir) == []
+    kill_when(train_killed(), watching(lambda: os.path.isdir(os.path.join(workdir, "checkpoints", "8"))), "step 8")
+    with open(os.path.join(workdir, eras.RECORD_FILE)) as f:
+        assert len(json.load(f)["starts"]) < 17  # the encoder was still at work (keep_eras holds it back)
+    copied = str(runs["root"] / "copied")  # the workdir alone, onto a machine with no cache
+    shutil.copytree(workdir, copied)
+    kill_when(train_killed(), watching(lambda: any("era00009" in name for name in era_files(".json"))), "era 9 done")
+    output = train_killed().communicate(timeout=600)[0]
+    assert "resumed from step" in output, output[-3000:]
+    assert logged(workdir) == runs["expected"]
+    assert most_on_disk[0] <= 3 + 1  # keep_eras and the one being built
+
+    fresh = runs["root"] / "fresh_cache"
+    output = train(runs, copied, f"--config.data.cache_dir={fresh}").communicate(timeout=600)[0]
+    resumed = int(output.split("resumed from step ")[1].split()[0])
+    first_era = (resumed * 4) // 12  # the era of the resumed step's first window
+    built = [int(era) for era in re.findall(r"era (\d+) encoded", output)]
+    assert built[0] == first_era > 0 and built == sorted(built), output[-3000:]
+    assert logged(copied) == runs["expected"]
+
+
+def test_a_run_recorded_before_data_order_resumes_with_random_windows(tmp_path):
+    config = era_config(tmp_path)
+    workdir = str(tmp_path / "old")
+    save_config(workdir, config)
+    with open(os.path.join(workdir, "config.json")) as f:
+        saved = json.load(f)
+    del saved["config"]["data"]["order"]  # as a run started before data.order wrote it
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(saved, f)
+    from andrea_jax import run_dir
+    assert run_dir.load_saved_config(workdir).data.order == "random"
+
+
+def test_a_relative_cache_dir_that_does_not_exist_is_checked_without_hanging(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(token_cache.atomic.DiskFull, match=r"^the token cache needs 1000000.00 GB more in not/yet "):
+        token_cache.require_space("not/yet", 10**15)
+
+
+def test_the_budget_of_a_token_cache_already_built_is_not_asked_for_again(tmp_path, monkeypatch):
+    config = era_config(tmp_path, order="random", stream_tokens=20_000)
+    pipeline.prepare(config, str(tmp_path / "first"))
+    monkeypatch.setattr(token_cache.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000}))
+    # A new workdir over the same, complete cache needs no space; the tokenizer is new, the cache is not.
+    prepared = pipeline.prepare(config, str(tmp_path / "second"))
+    assert prepared.train.num_tokens == 20_000
