@@ -313,3 +313,44 @@ def test_the_budget_of_a_token_cache_already_built_is_not_asked_for_again(tmp_pa
     # A new workdir over the same, complete cache needs no space; the tokenizer is new, the cache is not.
     prepared = pipeline.prepare(config, str(tmp_path / "second"))
     assert prepared.train.num_tokens == 20_000
+
+
+def test_a_hub_dataset_that_moved_since_its_cache_began_is_refused(tmp_path, monkeypatch):
+    from andrea_jax.data import DataError, hf_stream
+
+    commit = ["c0ffee"]
+    monkeypatch.setattr(hf_stream, "dataset_revision", lambda arguments, local: commit[0])
+    config = era_config(tmp_path)
+    prepared = prepared_eras(config, str(tmp_path / "run"))
+    encode_all(config, prepared, first_step=0)
+    assert prepared.train.record()["dataset_revision"] == "c0ffee"
+    prepared.train.delete(5)
+    commit[0] = "decade"  # the hub's newest commit, since
+    with pytest.raises(DataError, match=r"^Hugging Face dataset .*corpus moved from commit c0ffee to decade since "
+                                        r"this cache began; its eras in this run are of the old one: train the "
+                                        r"new one in a new workdir$"):
+        encode_all(config, prepared, first_step=7)
+    assert prepared.train.load(5) is None
+
+    # A token cache stopped after its first chunks (data.order="random"), resumed after the dataset moved.
+    config = era_config(tmp_path, order="random", stream_tokens=6000)
+    monkeypatch.setattr(token_cache, "CHUNK_TOKENS", 1000)
+    yielded, next_text = [0], hf_stream._Texts.__next__
+
+    def stops_at_record_40(texts):  # after some chunks of 1000 tokens were recorded
+        yielded[0] += 1
+        if yielded[0] == 40:
+            raise KeyboardInterrupt
+        return next_text(texts)
+
+    monkeypatch.setattr(hf_stream._Texts, "__next__", stops_at_record_40)
+    commit[0] = "c0ffee"
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
+    monkeypatch.setattr(hf_stream._Texts, "__next__", next_text)
+    commit[0] = "decade"
+    with pytest.raises(DataError, match=r"moved from commit c0ffee to decade since this cache began; delete "
+                                        r".*train\.bin\.tmp and run again to build the cache from the new commit$"):
+        pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
+    commit[0] = "c0ffee"  # back where it began: the build goes on
+    assert pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train").num_tokens == 6000

@@ -32,7 +32,7 @@ import time
 import ml_collections
 import numpy as np
 
-from andrea_jax.data import DataError, order
+from andrea_jax.data import DataError, order, token_cache
 from andrea_jax.data.sources import StreamedDocuments
 from andrea_jax.data.token_cache import TOKEN_BYTES, TOKEN_DTYPE, require_space
 from andrea_jax.data.tokenizer import Tokenizer
@@ -147,6 +147,7 @@ def build_era(cache: EraCache, era: int, documents: StreamedDocuments, tokenizer
     started = time.perf_counter()
     state_position, state = int(start["state_position"]), start["state"]
     position, skip = int(start["document"]), int(start["token"])
+    _same_commit(cache, documents)
     documents.resume(state_position, state)
     written = num_bytes = 0
     next_start = None
@@ -191,6 +192,16 @@ def build_era(cache: EraCache, era: int, documents: StreamedDocuments, tokenizer
     log(f"era {era} encoded: {written:,} tokens in {seconds:.1f} s ({num_bytes / max(seconds, 1e-9) / 1e6:.1f} MB/s "
         f"of text, {written / max(seconds, 1e-9) / 1e6:.2f} M tokens/s)")
     return next_start, written
+
+
+def _same_commit(cache: EraCache, documents: StreamedDocuments) -> None:
+    """Eras of one run are of one commit of a hub dataset: the first era's is recorded, a later one's checked."""
+    now, record = documents.revision(), cache.record()
+    if "dataset_revision" not in record:
+        atomic.write(cache.record_path, json.dumps({**record, "dataset_revision": now}))
+    elif record["dataset_revision"] != now:
+        raise token_cache.hf_stream_moved(documents.described, record["dataset_revision"], now,
+                                          "its eras in this run are of the old one: train the new one in a new workdir")
 
 
 def _record_start(cache: EraCache, era: int, start: dict | None, final_tokens: int | None) -> None:

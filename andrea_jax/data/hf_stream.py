@@ -89,6 +89,22 @@ def _load(arguments: dict, described: str, from_hub: bool):
                         f"'hf:OWNER/NAME[/CONFIG]' against the dataset's page") from None
 
 
+def dataset_revision(arguments: dict, local: bool) -> str | None:
+    """The commit a hub dataset's stream reads now (its newest unless data.hf_revision pins one); None for
+    local files, whose names, sizes and times key their caches instead."""
+    if local:
+        return None
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(arguments["path"], revision=arguments.get("revision")).sha
+    except Exception as error:  # as load_dataset's: refused at once, or left to the caller's retries
+        refused = refusal(error, f"Hugging Face dataset {arguments['path']}")
+        if refused:
+            raise refused from None
+        raise
+
+
 def _check_hub_client(described: str) -> None:
     """One request to the hub through `huggingface_hub`'s client (its certificates, proxy and offline switch),
     without its retries: what no retry mends is refused here; anything else is left to the stream's reads."""
@@ -138,7 +154,9 @@ def open_hf(name: str, data: ml_collections.ConfigDict, steps_tokens: int) -> so
     if local:  # local files: their names, sizes and times are part of the key
         files = local_files.walk(arguments["path"], lambda name: not name.startswith("."))
         identity["files"] = local_files.fingerprint(arguments["path"], files)
-    streamed = functools.partial(sources.StreamedDocuments, transient=transient, described=described)
+    revision = functools.cache(lambda: dataset_revision(arguments, local))
+    streamed = functools.partial(sources.StreamedDocuments, transient=transient, described=described,
+                                 revision=revision)
     return sources.Splits(streamed(lambda state=None: texts(False, state)),
                           streamed(lambda state=None: texts(True, state), limit=val_documents),
                           identity, train_tokens=train_tokens)

@@ -82,8 +82,9 @@ class StreamedDocuments:
 
     def __init__(self, open_texts: Callable[..., Iterator[str]], limit: int = sys.maxsize,
                  transient: Callable[[BaseException], bool] = lambda error: False,
-                 described: str = "the stream") -> None:
+                 described: str = "the stream", revision: Callable[[], str | None] = lambda: None) -> None:
         self.open_texts, self.limit, self.transient, self.described = open_texts, limit, transient, described
+        self.revision = revision  # the commit of the dataset the stream reads, where it has one
         self._texts: Iterator[str] | None = None
         self._position = 0
         self._states: dict[int, dict] = {}

@@ -121,12 +121,12 @@ def _progress_path(directory: str, split: str) -> str:
 def _finished_chunks(directory: str, split: str, max_tokens: int) -> dict:
     """What an unfinished build of the split wrote and recorded: its tokens, bytes, documents and the
     stream's state after them (nothing, if there is no usable record)."""
-    nothing = {"num_tokens": 0, "num_bytes": 0, "num_documents": 0, "stream_state": None}
+    nothing = {"num_tokens": 0, "num_bytes": 0, "num_documents": 0, "stream_state": None, "dataset_revision": None}
     temporary = f"{_paths(directory, split)[0]}.tmp"
     try:
         with open(_progress_path(directory, split), encoding="utf-8") as f:
             finished = json.load(f)
-        recorded = {key: finished[key] for key in nothing}
+        recorded = {key: finished.get(key) for key in nothing}  # records before dataset_revision have none
         size = os.path.getsize(temporary)
     except (OSError, ValueError, KeyError, TypeError):
         return nothing
@@ -146,6 +146,10 @@ def tokens_on_disk(cache_dir: str, identity: dict, split: str = "train") -> int:
                 if record["source"] == identity:
                     found = max(found, int(record["num_tokens"]))
     return found
+
+
+def hf_stream_moved(described: str, recorded: str | None, now: str | None, fix: str) -> DataError:
+    return DataError(f"{described} moved from commit {recorded} to {now} since this cache began; {fix}")
 
 
 def no_text(split: str) -> str:
@@ -177,6 +181,10 @@ def _encode_into(out, documents: Documents, tokenizer: Tokenizer, split: str, pr
     num_tokens, num_bytes, position = (int(finished[key]) for key in ("num_tokens", "num_bytes", "num_documents"))
     committed, started_tokens, started_bytes, estimated = num_tokens, num_tokens, num_bytes, not max_tokens
     if position and isinstance(documents, StreamedDocuments):
+        recorded, now = finished["dataset_revision"], documents.revision()
+        if recorded is not None and recorded != now:  # None: local files, or a record older than the check
+            raise hf_stream_moved(documents.described, recorded, now,
+                                  f"delete {out.name} and run again to build the cache from the new commit")
         documents.resume(position, finished["stream_state"])
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1) as reader, \
@@ -219,9 +227,10 @@ def _encode_into(out, documents: Documents, tokenizer: Tokenizer, split: str, pr
                       f"at this machine's {rate / 1e6:.1f} MB/s that takes about {duration}", flush=True)
             if num_tokens - committed >= CHUNK_TOKENS:
                 committed = num_tokens
+                streamed = isinstance(documents, StreamedDocuments)
                 commit({"num_tokens": num_tokens, "num_bytes": num_bytes, "num_documents": position,
-                        "stream_state": documents.state_at(position) if isinstance(documents, StreamedDocuments)
-                        else None})
+                        "stream_state": documents.state_at(position) if streamed else None,
+                        "dataset_revision": documents.revision() if streamed else None})
     return num_tokens, num_bytes, position
 
 
