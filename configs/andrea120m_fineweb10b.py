@@ -1,6 +1,6 @@
 """ANDREA-120M on 10B tokens of FineWeb-Edu: the recipe for GPT-2 124M's HellaSwag (acc_norm 0.2955)
 on one accelerator. llm.c's GPT-2 124M run: 19,073 steps of 524,288 tokens, learning rate 6e-4
-after 700 warmup steps, cosine to a tenth, weight decay 0.1 (README, "The 10B-token recipe")."""
+after 700 warmup steps, cosine to a tenth, weight decay 0.1 (README, "The 10B-token recipe"; per chip, docs/chips.md and docs/data.md)."""
 
 from configs import andrea120m
 
@@ -18,11 +18,12 @@ def get_config():
     c.data.source = "hf:HuggingFaceFW/fineweb-edu/sample-10BT"
     c.data.val_split = "validation"  # the dataset has none: validation is its first documents, never trained on
     c.data.stream_val_documents = 10_000  # about 12M tokens, more than the 20 batches an evaluation reads
-    c.data.stream_tokens = 10_000_000_000  # a 20 GB token cache; the steps read 10.0B tokens from it at random
+    # 10.0B tokens, each read once: 149 eras of 64M tokens encoded beside training, at most 5 on disk at once
+    c.data.stream_tokens = 10_000_000_000
     c.log_every = 10
     c.eval_every = 250
     c.eval_batches = 20
-    # 250 steps are minutes on a TPU or an A100 (the README's table): what an ended session loses at most.
+    # 250 steps are minutes on a TPU or an A100 (docs/chips.md's table): what an ended session loses at most.
     # Two checkpoints of 1.1 GB each (parameters and both moments in float32) stay in the workdir.
     c.checkpoint_every = 250
     c.keep_checkpoints = 2
