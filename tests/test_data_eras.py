@@ -307,12 +307,30 @@ def test_a_relative_cache_dir_that_does_not_exist_is_checked_without_hanging(tmp
 
 
 def test_the_budget_of_a_token_cache_already_built_is_not_asked_for_again(tmp_path, monkeypatch):
-    config = era_config(tmp_path, order="random", stream_tokens=20_000)
-    pipeline.prepare(config, str(tmp_path / "first"))
-    monkeypatch.setattr(token_cache.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000}))
-    # A new workdir over the same, complete cache needs no space; the tokenizer is new, the cache is not.
-    prepared = pipeline.prepare(config, str(tmp_path / "second"))
-    assert prepared.train.num_tokens == 20_000
+    from andrea_jax.data import hf_stream
+
+    config = era_config(tmp_path, order="random", stream_tokens=6000)
+    monkeypatch.setattr(token_cache, "CHUNK_TOKENS", 1000)
+    yielded, next_text = [0], hf_stream._Texts.__next__
+
+    def stops_at_record_40(texts):  # a build killed after its first chunks
+        yielded[0] += 1
+        if yielded[0] == 40:
+            raise KeyboardInterrupt
+        return next_text(texts)
+
+    monkeypatch.setattr(hf_stream._Texts, "__next__", stops_at_record_40)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.prepare(config, str(tmp_path / "first"))
+    monkeypatch.setattr(hf_stream._Texts, "__next__", next_text)
+    finished = token_cache.tokens_on_disk(config.data.cache_dir, {**pipeline.open_splits(config).identity,
+                                                                  "train_tokens": 6000})
+    assert 1000 <= finished < 6000
+    free = [(6000 - finished) * 2 + 100]  # room for the rest, not for the whole cache
+    monkeypatch.setattr(token_cache.shutil, "disk_usage", lambda path: type("Usage", (), {"free": free[0]}))
+    assert pipeline.prepare(config, str(tmp_path / "second")).train.num_tokens == 6000
+    free[0] = 0  # a third workdir over the same, complete cache needs no space at all
+    assert pipeline.prepare(config, str(tmp_path / "third")).train.num_tokens == 6000
 
 
 def test_a_hub_dataset_that_moved_since_its_cache_began_is_refused(tmp_path, monkeypatch):
