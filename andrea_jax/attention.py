@@ -34,6 +34,12 @@ BLOCK = 512
 # written once instead of once a key block and then summed, at the cost of computing the blocks above the
 # causal diagonal in the backward (bench/RESULTS.md).
 KEYS_WHOLE_IN_BACKWARD = ("TPU v6",)
+# ... up to this many keys times the head's lane-padded width. The fused backward keeps its key block in on-chip
+# memory (VMEM): the block's keys and values, their float32 gradient accumulators (each a head's lanes wide), and
+# the query block's float32 products against every key, all growing with the block. A v6e gives a kernel 32 MiB of
+# scoped VMEM; compiled for v6e-1 (libtpu 0.0.42), all keys fit up to 4096 of heads 128 lanes wide and 2048 of 256,
+# and failed at 4608 keys (32.07 MiB), 8192 (32.5 MiB) and 4096 × 256 lanes (41.3 MiB). Longer: key blocks.
+WHOLE_KEYS_LANES_AT_MOST = 4096 * LANES
 MIN_CUDA_CAPABILITY_FOR_CUDNN = 8.0  # cuDNN's flash attention starts with Ampere
 CUDNN_DTYPES = ("bfloat16", "float16")  # its fused attention has no float32 kernel
 PLATFORM_OF = {"splash": "tpu", "cudnn": "gpu"}  # where each kernel runs
@@ -91,25 +97,35 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def keys_whole_in_backward(device_kind: str) -> bool:
-    """Whether splash's backward takes all keys as one block on a `device_kind` chip (`KEYS_WHOLE_IN_BACKWARD`)."""
-    return device_kind.startswith(KEYS_WHOLE_IN_BACKWARD)
+def _block_and_padded(length: int, block: int = BLOCK) -> tuple[int, int]:
+    """The splash kernel's block at `length` and the length padded to it: blocks are multiples of 128 that
+    divide the length."""
+    block = min(block, _round_up(length, LANES))
+    return block, _round_up(length, block)
 
 
-def products_computed(name: str, length: int, device_kind: str) -> float:
+def keys_whole_in_backward(device_kind: str, length: int, width: int, block: int = BLOCK) -> bool:
+    """Whether splash's backward takes all keys as one block for sequences of `length` in heads `width` wide
+    on a `device_kind` chip: on the chips of `KEYS_WHOLE_IN_BACKWARD`, where its VMEM allows
+    (`WHOLE_KEYS_LANES_AT_MOST`)."""
+    padded = _block_and_padded(length, block)[1]
+    return (device_kind.startswith(KEYS_WHOLE_IN_BACKWARD)
+            and padded * _round_up(width, LANES) <= WHOLE_KEYS_LANES_AT_MOST)
+
+
+def products_computed(name: str, length: int, width: int, device_kind: str) -> float:
     """The share of attention's FLOPs in the model's formula (12·L·H·Q·T: the whole L × L square,
-    forward and backward) that the TPU implementation `name` computes at `length` on a `device_kind`
-    chip. The splash kernel's forward skips the blocks above the causal diagonal (n(n + 1)/2 of the
-    padded square's n² blocks) in its 2 products; its fused backward recomputes q·kᵀ, 5 products for
-    the formula's 4, and skips the same blocks unless it takes the keys whole. XLA's attention on a
-    TPU computes the whole square."""
+    forward and backward) that the TPU implementation `name` computes at `length` with heads `width`
+    wide on a `device_kind` chip. The splash kernel's forward skips the blocks above the causal
+    diagonal (n(n + 1)/2 of the padded square's n² blocks) in its 2 products; its fused backward
+    recomputes q·kᵀ, 5 products for the formula's 4, and skips the same blocks unless it takes the
+    keys whole. XLA's attention on a TPU computes the whole square."""
     if name != "splash":
         return 1.0
-    block = min(BLOCK, _round_up(length, LANES))
-    padded = _round_up(length, block)
+    block, padded = _block_and_padded(length)
     blocks = padded // block
     forward = (blocks + 1) / (2 * blocks)
-    backward = 1.0 if keys_whole_in_backward(device_kind) else forward
+    backward = 1.0 if keys_whole_in_backward(device_kind, length, width) else forward
     return (padded / length) ** 2 * (2 * forward + 5 * backward) / 6
 
 
@@ -119,10 +135,9 @@ def _splash_one_shard(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     _, length, heads, _ = q_BxLxHxK.shape
-    # The kernel's blocks are multiples of 128 that divide the length. Padding at the end is exact
-    # for causal attention: no real query sees a later key, and the padded rows are dropped.
-    block = min(block, _round_up(length, LANES))
-    padded = _round_up(length, block)
+    # Padding at the end is exact for causal attention: no real query sees a later key, and the padded
+    # rows are dropped.
+    block, padded = _block_and_padded(length, block)
     backward_key_block = padded if keys_whole else block
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=backward_key_block, block_kv_dkv_compute=backward_key_block,
@@ -141,9 +156,10 @@ def splash_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.
                      block: int = BLOCK, keys_whole: bool | None = None) -> jax.Array:
     """Causal softmax(q·kᵀ)·v through the Pallas TPU splash kernel, in the inputs' dtype: the kernel takes no
     scale, so q comes scaled by 1/√K (the model folds it into q's projection). `keys_whole`: whether the
-    backward takes all keys as one block; None chooses by the chip (`keys_whole_in_backward`)."""
+    backward takes all keys as one block; None chooses by the chip and shape (`keys_whole_in_backward`)."""
     if keys_whole is None:
-        keys_whole = keys_whole_in_backward(sharding.program_device_kind())
+        _, length, _, width = q_BxLxHxK.shape
+        keys_whole = keys_whole_in_backward(sharding.program_device_kind(), length, width, block)
     return _per_shard(lambda q, k, v: _splash_one_shard(q, k, v, block, keys_whole), q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
 
 

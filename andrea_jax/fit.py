@@ -105,12 +105,27 @@ def refused_memory(message: str) -> Memory | None:
     return Memory(0, int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " ")), 0, 0)
 
 
+def on_chip_memory_refusal(message: str) -> str | None:
+    """The one-line error for a compile a TPU kernel's on-chip memory (VMEM) refused ("CompileTimeScopedVmemOom":
+    a Mosaic kernel's blocks need more than its scoped VMEM); None for any other error. Device memory (HBM) is not
+    the cause, so no micro-batch count is the fix."""
+    if "CompileTimeScopedVmemOom" not in message and "memory space vmem" not in message:
+        return None
+    kernel = re.search(r"allocating on stack for %([\w.-]+)", message)
+    sizes = re.search(r"Scoped allocation with size (\S+) and limit (\S+?)\.? ", message)
+    name = f"the TPU kernel {kernel.group(1)}" if kernel else "a TPU kernel"
+    needed = f" ({sizes.group(1)} > {sizes.group(2)})" if sizes else ""
+    return (f"{name} needs more on-chip memory (VMEM) than the compiler lets a kernel take{needed}, which is not "
+            f"the device memory micro-batches save; lower seq_len, or set --config.model.attention=xla")
+
+
 def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state: Any,
                   state_shardings: Any, usable: int | None = None) -> Steps:
     """Lowers and compiles both steps as the loop calls them.
 
     OutOfMemory when XLA refuses, or when a step needs more than `usable` bytes a device (the eval
-    step is not compiled when the train step alone does: it needs less, and a compile costs minutes).
+    step is not compiled when the train step alone does: it needs less, and a compile costs minutes);
+    ConfigError when a TPU kernel's on-chip memory refuses it (`on_chip_memory_refusal`).
     Runs under the caller's `jax.set_mesh(mesh)` and logical axis rules.
     """
     tx, schedule = optimizer.make(config), optimizer.learning_rate_schedule(config)
@@ -133,6 +148,9 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: Mesh, abstract_state:
                            out_shardings=sharding.replicated(mesh)).lower(abstract_state["params"], batch).compile(
                                compiler_options(mesh))
     except Exception as error:  # the runtime's error type differs between jax versions
+        refusal = on_chip_memory_refusal(str(error))
+        if refusal:
+            raise ConfigError(refusal) from error
         if "RESOURCE_EXHAUSTED" in str(error):
             raise OutOfMemory(f"XLA refused it ({str(error).splitlines()[0]})", refused_memory(str(error))) from error
         raise

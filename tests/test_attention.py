@@ -170,11 +170,22 @@ def test_a_run_recorded_with_a_kernel_this_machine_lacks_evaluates_with_this_mac
 
 def test_the_roofline_counts_the_products_each_tpu_attention_computes():
     # Splash at 1024 in blocks of 512: 3 of the 4 blocks, and the fused backward's second q·kᵀ (7 of 6).
-    assert attention.products_computed("splash", 1024, "TPU v5 lite") == pytest.approx(3 / 4 * 7 / 6)
+    assert attention.products_computed("splash", 1024, 64, "TPU v5 lite") == pytest.approx(3 / 4 * 7 / 6)
     # A v6e's backward takes the keys whole: its 5 products compute all 4 blocks, the forward's 2 still 3.
-    assert attention.products_computed("splash", 1024, "TPU v6 lite") == pytest.approx((2 * 3 / 4 + 5) / 6)
-    assert attention.products_computed("splash", 512, "TPU v5 lite") == pytest.approx(7 / 6)  # one block: all
+    assert attention.products_computed("splash", 1024, 64, "TPU v6 lite") == pytest.approx((2 * 3 / 4 + 5) / 6)
+    # ... but not 8192 keys (its VMEM): the backward skips the blocks above the diagonal too, 136 of 256.
+    assert attention.products_computed("splash", 8192, 64, "TPU v6 lite") == pytest.approx(17 / 32 * 7 / 6)
+    assert attention.products_computed("splash", 512, 64, "TPU v5 lite") == pytest.approx(7 / 6)  # one block: all
     # 200 queries pad to one block of 256: the padded square is computed whole.
-    assert attention.products_computed("splash", 200, "TPU v5 lite") == pytest.approx((256 / 200) ** 2 * 7 / 6)
-    assert attention.products_computed("xla", 1024, "TPU v6 lite") == 1.0  # on a TPU: the whole square, six products
-    assert attention.keys_whole_in_backward("TPU v6 lite") and not attention.keys_whole_in_backward("TPU v5 lite")
+    assert attention.products_computed("splash", 200, 64, "TPU v5 lite") == pytest.approx((256 / 200) ** 2 * 7 / 6)
+    assert attention.products_computed("xla", 1024, 64, "TPU v6 lite") == 1.0  # on a TPU: the whole square
+
+
+def test_a_v6e_takes_the_keys_whole_only_where_its_kernel_fits_the_on_chip_memory():
+    whole = lambda length, width, kind="TPU v6 lite": attention.keys_whole_in_backward(kind, length, width)
+    # Compiled for v6e-1: all 4096 keys of heads up to 128 wide fit 32 MiB of VMEM, 4608 and 8192 did not.
+    assert whole(1024, 64) and whole(4096, 64) and whole(4096, 128) and whole(4000, 64)  # 4000 pads to 4096
+    assert not whole(4097, 64) and not whole(4608, 64) and not whole(8192, 64)
+    # Heads 256 wide take twice the lanes: 2048 keys fit, 4096 (41.3 MiB) did not.
+    assert whole(2048, 256) and not whole(2560, 256) and not whole(4096, 256)
+    assert not whole(1024, 64, "TPU v5 lite")  # a v5e's backward takes key blocks at every length

@@ -147,6 +147,35 @@ def test_a_tpu_compile_that_runs_out_of_memory_says_what_its_temporaries_need():
     assert fit.refused_memory("RESOURCE_EXHAUSTED: out of memory") is None
 
 
+# libtpu 0.0.42's words for splash's backward over 8192 keys taken whole on a v6e (shortened).
+VMEM_REFUSAL = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in memory space vmem while "
+                "allocating on stack for %splash_mha_dkv_no_residuals.1 = (f32[2,8192,64]{2,1,0:T(8,128)}) "
+                "custom-call(%copy-done.2), custom_call_target=\"tpu_custom_call\". Scoped allocation with size 32.50M "
+                "and limit 32.00M exceeded scoped vmem limit by 512.0K. It should not be possible to run out of scoped "
+                "vmem - \nSee https://openxla.org/xla/errors/error_1001 for more details.")
+
+
+def test_a_kernel_out_of_on_chip_memory_is_refused_in_one_line_without_trying_more_microbatches(monkeypatch):
+    traced = []
+
+    def refused_step(config, tx, schedule):
+        def step(state, batch):
+            traced.append(config.microbatches)
+            raise RuntimeError(VMEM_REFUSAL)
+        return step
+
+    monkeypatch.setattr(fit.train_step, "make_train_step", refused_step)
+    with pytest.raises(ConfigError) as refused:
+        fit_on_cpu(small_config(microbatches=0), 2 ** 30)
+    assert str(refused.value) == (
+        "the TPU kernel splash_mha_dkv_no_residuals.1 needs more on-chip memory (VMEM) than the compiler lets a "
+        "kernel take (32.50M > 32.00M), which is not the device memory micro-batches save; lower seq_len, or set "
+        "--config.model.attention=xla")
+    assert traced == [1]  # no further micro-batch count compiled
+    assert fit.on_chip_memory_refusal("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                                      "HLO temporaries (17.54G) exceeds available HBM (15.75G).") is None
+
+
 def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path, monkeypatch):
     """The chosen count lands in config.json; a resume where one micro-batch would fit keeps it, exactly."""
     devices = jax.devices()[:1]

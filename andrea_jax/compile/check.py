@@ -81,7 +81,8 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
     at_peak_flops = model_flops
     if fill < 1:
         kind = target.devices[0].device_kind
-        computed = attention_flops * attention.products_computed(config.model.attention, config.seq_len, kind)
+        computed = attention_flops * attention.products_computed(config.model.attention, config.seq_len,
+                                                                 config.model.d_model // config.model.n_head, kind)
         at_peak_flops = max(model_flops, model_flops - attention_flops + computed / fill)
     seconds = max(at_peak_flops / devices / peak, sum(traffic.values()) / target.memory_bytes_per_second)
     return StepCost(model_flops, xla_flops, traffic, fill, seconds, model_flops / (seconds * devices * peak))
