@@ -426,7 +426,16 @@ class Attention(nn.Module):
             else:
                 out_BxLxHxK = softmax_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxK, causal_LxS, self.dtype, drop)
 
-        out_BxLxD = matmul(out_BxLxHxK, out_kernel, "blhk,hkd->bld", self.dtype, self.dtype) + out_bias
+        if fused is None and sharding.program_platform() == "gpu" and head_dim & (head_dim - 1):
+            # XLA's GPU compiler fuses the einsum path's output, laid out [B, H, K, L], into the projection's
+            # Triton GEMM through a transpose over H and K, and finds no tiles for heads that are not a power of
+            # two wide (20, 48, 96, 160, 192 on an A100: "Couldn't find output tile sizes"). Merged into [B, L, D]
+            # behind a barrier, which keeps the merge out of the GEMM, its operand has one dimension D to tile.
+            out_BxLxD = jax.lax.optimization_barrier(out_BxLxHxK.reshape(batch, length, d_model))
+            out_BxLxD = matmul(out_BxLxD, out_kernel.reshape(d_model, d_model), "blc,cd->bld", self.dtype, self.dtype)
+        else:
+            out_BxLxD = matmul(out_BxLxHxK, out_kernel, "blhk,hkd->bld", self.dtype, self.dtype)
+        out_BxLxD = out_BxLxD + out_bias
         out_BxLxD = nn.Dropout(self.dropout)(out_BxLxD, deterministic=deterministic)
         return nn.with_logical_constraint(out_BxLxD.astype(self.dtype), ("act_batch", "act_len", "act_embed"))
 

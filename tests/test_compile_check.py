@@ -172,6 +172,18 @@ def test_a_gpu_in_float32_leaves_cudnn_to_auto_and_refuses_it_by_name():
         tiny_step_for("a100_40gb", **{"model.dtype": "float32", "model.attention": "cudnn"})
 
 
+@needs_cuda_plugin
+@pytest.mark.parametrize("d_model, n_head", [(768, 4), (640, 32)])
+def test_a_gpu_compiles_heads_that_are_not_a_power_of_two_wide(d_model, n_head):
+    """Heads of 192 and of 20 take XLA's attention on an A100, whose output projection crashed XLA's GPU
+    compiler ("Couldn't find output tile sizes"); it is a 2-D product over the merged heads instead."""
+    steps = tiny_step_for("a100_40gb", **{"model.d_model": d_model, "model.n_head": n_head, "model.attention": "auto"})
+    hlo = steps.train.as_text()
+    assert steps.config.model.attention == "xla"
+    assert re.search(rf"bf16\[512,{d_model}\]\S* dot\([^)]*\).*attn/blc,cd->bld/dot_general", hlo)
+    assert "attn/blhk,hkd->bld" not in hlo
+
+
 def tiny_step_for(devices_or_topology, **overrides):
     config = andrea120m.get_config()
     config.update_from_flattened_dict({"model.n_layer": 1, "model.d_model": 128, "model.n_head": 2,
