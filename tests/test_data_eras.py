@@ -300,20 +300,14 @@ def test_a_run_recorded_before_data_order_resumes_with_random_windows(tmp_path):
     assert run_dir.load_saved_config(workdir).data.order == "random"
 
 
-def test_a_relative_cache_dir_that_does_not_exist_is_checked_without_hanging(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(token_cache.atomic.DiskFull, match=r"^the token cache needs 1000000.00 GB more in not/yet "):
-        token_cache.require_space("not/yet", 10**15)
-
-
-def test_the_budget_of_a_token_cache_already_built_is_not_asked_for_again(tmp_path, monkeypatch):
+def stopped_after_some_chunks(monkeypatch, build):
+    """Runs `build` (a token cache build in chunks of 1000 tokens) until the stream's 40th record, as a kill would."""
     from andrea_jax.data import hf_stream
 
-    config = era_config(tmp_path, order="random", stream_tokens=6000)
     monkeypatch.setattr(token_cache, "CHUNK_TOKENS", 1000)
     yielded, next_text = [0], hf_stream._Texts.__next__
 
-    def stops_at_record_40(texts):  # a build killed after its first chunks
+    def stops_at_record_40(texts):
         yielded[0] += 1
         if yielded[0] == 40:
             raise KeyboardInterrupt
@@ -321,8 +315,19 @@ def test_the_budget_of_a_token_cache_already_built_is_not_asked_for_again(tmp_pa
 
     monkeypatch.setattr(hf_stream._Texts, "__next__", stops_at_record_40)
     with pytest.raises(KeyboardInterrupt):
-        pipeline.prepare(config, str(tmp_path / "first"))
+        build()
     monkeypatch.setattr(hf_stream._Texts, "__next__", next_text)
+
+
+def test_a_relative_cache_dir_that_does_not_exist_is_checked_without_hanging(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(token_cache.atomic.DiskFull, match=r"^the token cache needs 1000000.00 GB more in not/yet "):
+        token_cache.require_space("not/yet", 10**15)
+
+
+def test_the_budget_of_a_token_cache_already_built_is_not_asked_for_again(tmp_path, monkeypatch):
+    config = era_config(tmp_path, order="random", stream_tokens=6000)
+    stopped_after_some_chunks(monkeypatch, lambda: pipeline.prepare(config, str(tmp_path / "first")))
     finished = token_cache.tokens_on_disk(config.data.cache_dir, {**pipeline.open_splits(config).identity,
                                                                   "train_tokens": 6000})
     assert 1000 <= finished < 6000
@@ -352,20 +357,9 @@ def test_a_hub_dataset_that_moved_since_its_cache_began_is_refused(tmp_path, mon
 
     # A token cache stopped after its first chunks (data.order="random"), resumed after the dataset moved.
     config = era_config(tmp_path, order="random", stream_tokens=6000)
-    monkeypatch.setattr(token_cache, "CHUNK_TOKENS", 1000)
-    yielded, next_text = [0], hf_stream._Texts.__next__
-
-    def stops_at_record_40(texts):  # after some chunks of 1000 tokens were recorded
-        yielded[0] += 1
-        if yielded[0] == 40:
-            raise KeyboardInterrupt
-        return next_text(texts)
-
-    monkeypatch.setattr(hf_stream._Texts, "__next__", stops_at_record_40)
     commit[0] = "c0ffee"
-    with pytest.raises(KeyboardInterrupt):
-        pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
-    monkeypatch.setattr(hf_stream._Texts, "__next__", next_text)
+    stopped_after_some_chunks(
+        monkeypatch, lambda: pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train"))
     commit[0] = "decade"
     with pytest.raises(DataError, match=r"moved from commit c0ffee to decade since this cache began; delete "
                                         r".*train\.bin\.tmp and run again to build the cache from the new commit$"):
