@@ -35,7 +35,7 @@ from andrea_jax.runtime.leader_first import leader_first
 
 # All a run writes before its first step: a new workdir holding no more has nothing to keep.
 _START_UP_FILES = {run_dir.CONFIG_FILE, run_dir.LOCK_FILE, pipeline.TOKENIZER_FILE, pipeline.RECORD_FILE,
-                   eras.RECORD_FILE}
+                   eras.RECORD_FILE, eras.POSITION_FILE}
 
 
 class TrainingStopped(UserError):
@@ -195,14 +195,13 @@ class _Encoder:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, first_step: int) -> None:
         self.config, self.workdir = config, workdir
-        self.restart(first_step)
+        self.first_step, self.process = first_step, eras.start_encoder(workdir, config, first_step)
 
     def restart(self, first_step: int) -> None:
-        if getattr(self, "process", None) is not None:
-            self.stop()
+        self.stop()
         self.first_step, self.process = first_step, eras.start_encoder(self.workdir, self.config, first_step)
 
-    def stop(self, *_) -> None:
+    def stop(self) -> None:
         self.process.terminate()
         self.process.wait()
 
@@ -356,8 +355,13 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
 
 def _compare_rates(reader: eras.Reader, tokens_per_second: float) -> None:
     """One line at the first log: whether the era encoder keeps ahead of the steps (else they wait)."""
-    built = [reader.cache.manifest(era) for era in reader.cache.on_disk()]
-    if not built or not jax.process_index() == 0:
+    if jax.process_index() != 0:
+        return
+    built = []
+    for era in reader.cache.on_disk():
+        with contextlib.suppress(OSError, ValueError):  # deleted meanwhile
+            built.append(reader.cache.manifest(era))
+    if not built:
         return
     rate = max(int(manifest["tokens_per_second"]) for manifest in built)
     verdict = "keeps ahead" if rate >= tokens_per_second else "falls behind: steps will wait for eras"

@@ -120,8 +120,10 @@ def test_a_fresh_cache_builds_only_the_eras_from_the_resumed_step_on(tmp_path):
     assert prepared.train.load(3) is None
 
 
-def test_keep_eras_bounds_the_eras_on_disk(tmp_path):
+@pytest.mark.parametrize("batch_size, most_eras_a_step", [(4, 2), (12, 3)])
+def test_keep_eras_bounds_the_eras_on_disk(tmp_path, batch_size, most_eras_a_step):
     config = era_config(tmp_path)
+    config.batch_size = batch_size  # 12: a step reads more eras than are kept, and still never waits for ever
     prepared = prepared_eras(config, str(tmp_path / "run"))
     seen, stop = [], threading.Event()
 
@@ -136,11 +138,13 @@ def test_keep_eras_bounds_the_eras_on_disk(tmp_path):
     encoder.start()
     reader = eras.Reader(prepared.train, config.seed, config.seq_len, keep_eras=2, delete_passed=True)
     for step in range(config.steps):
-        reader.batch(step, 4)
-    encoder.join()
+        reader.batch(step, batch_size)
+    encoder.join(timeout=60)
     stop.set()
     watcher.join()
-    assert max(seen) <= 3 and len(prepared.train.on_disk()) <= 2  # kept eras + the one being built
+    assert not encoder.is_alive()
+    # The kept eras (or those one step reads, where more) and the one being built.
+    assert max(seen) <= max(2, most_eras_a_step) + 1 and len(prepared.train.on_disk()) <= max(2, most_eras_a_step)
 
 
 def test_a_stream_shorter_than_its_budget_ends_the_epoch_sooner(tmp_path):

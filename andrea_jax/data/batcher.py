@@ -35,6 +35,15 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray
     return batch_BxLp1
 
 
+def read_windows(tokens_of_era, eras: np.ndarray, offsets: np.ndarray, seq_len: int) -> np.ndarray:
+    """Rows of seq_len + 1 tokens at `offsets` of the eras `tokens_of_era[era]`: int32 [len(eras), seq_len + 1]."""
+    batch_BxLp1 = np.empty((len(eras), seq_len + 1), np.int32)
+    for era in np.unique(eras):
+        rows = np.flatnonzero(eras == era)
+        batch_BxLp1[rows] = _windows(tokens_of_era[int(era)], offsets[rows], seq_len)
+    return batch_BxLp1
+
+
 def epoch_batch(layout: order.Layout, tokens_of: Callable[[int], np.ndarray], *, step: int, batch_size: int,
                 process_index: int = 0, process_count: int = 1) -> np.ndarray:
     """data.order="epochs": this process's rows of the step's batch, positions step·B ... of the run's
@@ -42,10 +51,7 @@ def epoch_batch(layout: order.Layout, tokens_of: Callable[[int], np.ndarray], *,
     positions = np.arange(step * batch_size, (step + 1) * batch_size)[local_rows(batch_size, process_index,
                                                                                  process_count)]
     _, eras, offsets = layout.locate(positions)
-    batch_BxLp1 = np.empty((len(positions), layout.seq_len + 1), np.int32)
-    for row, (era, offset) in enumerate(zip(eras, offsets)):
-        batch_BxLp1[row] = tokens_of(int(era))[offset:offset + layout.seq_len + 1]
-    return batch_BxLp1
+    return read_windows({int(era): tokens_of(int(era)) for era in np.unique(eras)}, eras, offsets, layout.seq_len)
 
 
 def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,

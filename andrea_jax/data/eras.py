@@ -28,17 +28,19 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import ml_collections
 import numpy as np
 
-from andrea_jax.data import DataError, order, token_cache
+from andrea_jax.data import DataError, batcher, order, token_cache
 from andrea_jax.data.sources import StreamedDocuments
 from andrea_jax.data.token_cache import TOKEN_BYTES, TOKEN_DTYPE, require_space
 from andrea_jax.data.tokenizer import Tokenizer
 from andrea_jax.runtime import atomic
 
 RECORD_FILE = "eras.json"  # in the workdir: the eras' starts, all a fresh machine needs
+POSITION_FILE = "eras.position.json"  # in the workdir: the eras the training loop's latest step reads
 _TARGET_READ_BYTES = 4 << 20  # text a read of the stream brings, about
 _POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1
@@ -108,12 +110,14 @@ class EraCache:
     @property
     def position_path(self) -> str:
         """Where the training loop says which era of the run's order (its sequence number) it reads now."""
-        return os.path.join(os.path.dirname(self.record_path), "eras.position.json")
+        return os.path.join(os.path.dirname(self.record_path), POSITION_FILE)
 
-    def position(self) -> int | None:
+    def position(self) -> tuple[int, int] | None:
+        """(the first, the last) sequence number of the eras the training loop's latest step reads."""
         with contextlib.suppress(OSError, ValueError, KeyError):
             with open(self.position_path, encoding="utf-8") as f:
-                return int(json.load(f)["sequence"])
+                position = json.load(f)
+            return int(position["sequence"]), int(position["needed"])
         return None
 
     def manifest(self, era: int) -> dict:
@@ -213,16 +217,21 @@ def _record_start(cache: EraCache, era: int, start: dict | None, final_tokens: i
     atomic.write(cache.record_path, json.dumps(record))
 
 
-def new_record(cache: EraCache, identity: dict) -> None:
-    """Starts the workdir's record of a new run's eras (kept as it is on a resume)."""
-    record = cache.record()
-    if record.get("era_tokens") not in (None, cache.era_tokens) or record.get("identity", identity) != identity:
-        raise DataError(f"{cache.record_path} records another stream's eras; resume with the data.source, "
-                        f"data.era_windows and seq_len the run started with, or use a new workdir")
+def start_record(record_path: str, identity: dict, era_tokens: int, planned_tokens: int) -> dict:
+    """The workdir's record of its run's eras: read, or begun for a new run (with an id of its own, which keys
+    the run's era directory: the eras are the run's, deleted as its steps pass them). A resume keeps the
+    budget it began with: more steps read the eras again, in another epoch."""
+    record = EraCache("", record_path, era_tokens, planned_tokens).record()
     if not record:
-        record = {"identity": identity, "era_tokens": cache.era_tokens, "planned_tokens": cache.planned_tokens,
+        record = {"run": uuid.uuid4().hex[:12], "identity": identity, "era_tokens": era_tokens,
+                  "planned_tokens": planned_tokens,
                   "starts": {"0": {"document": 0, "token": 0, "state_position": 0, "state": None}}}
-        atomic.write(cache.record_path, json.dumps(record))
+        os.makedirs(os.path.dirname(record_path) or ".", exist_ok=True)
+        atomic.write(record_path, json.dumps(record))
+    elif record["era_tokens"] != era_tokens or record["identity"] != identity:
+        raise DataError(f"{record_path} records the eras of another source, tokenizer or seq_len; resume with the "
+                        f"data.source, data.era_windows and seq_len the run started with, or use a new workdir")
+    return record
 
 
 def encode(cache: EraCache, documents: StreamedDocuments, tokenizer: Tokenizer, layout_of, batch_size: int,
@@ -235,14 +244,15 @@ def encode(cache: EraCache, documents: StreamedDocuments, tokenizer: Tokenizer, 
         os.remove(stale)
     layout = layout_of()
     sequence, last = era_range(layout, batch_size, first_step, last_step)
-    position = sequence  # where the steps are: it only moves on
+    position, needed = sequence, sequence  # where the steps are, and the last era they wait for: only move on
     while sequence <= last and alive():
-        while keep_eras and sequence >= (position := max(position, cache.position() or 0)) + keep_eras:
+        while keep_eras and sequence > max(position + keep_eras - 1, needed):
             if not alive():
                 return
             time.sleep(_POLL_S)
+            position, needed = map(max, (position, needed), cache.position() or (0, 0))
         if keep_eras:  # an earlier run's eras outside the steps' window go before another is built
-            drop_outside(cache, layout, position, keep_eras)
+            drop_outside(cache, layout, position, max(keep_eras, needed - position + 1))
         era = sequence % layout.num_eras
         sequence += 1
         if cache.load(era) is not None:
@@ -264,9 +274,10 @@ def encode(cache: EraCache, documents: StreamedDocuments, tokenizer: Tokenizer, 
 # ---- reading ----
 
 class Reader:
-    """The steps' eras as the training loop reads them: waits for an era not built yet (saying which, and
-    for how long), and, with `keep_eras` and `delete_passed` (the leading process), deletes the eras
-    outside the next keep_eras of the run's order once a step's batch no longer needs them."""
+    """The eras as the training loop reads them: waits for an era not built yet (saying which, and
+    for how long). With `keep_eras`, process 0 (`delete_passed`) says which eras the step being built
+    reads (`EraCache.position_path`: the encoder builds up to them, and keep_eras from the first) and
+    deletes the eras outside that window; every process lets go of those it no longer reads."""
 
     def __init__(self, cache: EraCache, seed: int, seq_len: int, keep_eras: int, delete_passed: bool,
                  encoder: subprocess.Popen | None = None, log=print) -> None:
@@ -274,23 +285,24 @@ class Reader:
         self.delete_passed, self.encoder, self.log = delete_passed, encoder, log
         self.wait_seconds = 0.0  # waited for eras since the training loop last took it
         self._layout = cache.layout(seed, seq_len)
+        self._final = False  # the stream's end is known: the layout no longer changes
         self._open: dict[int, np.ndarray] = {}
-        self._position = None
+        self._position: tuple[int, int] | None = None
 
     def layout(self) -> order.Layout:
-        total = self.cache.total_tokens()
-        if total != self._layout.total_tokens:  # the stream ended before its budget
-            self._layout = order.Layout(total, self.seq_len, self.cache.era_tokens, self.seed)
+        if not self._final and "final_tokens" in self.cache.record():  # the stream ended: its length is known
+            self._final = True
+            self._layout = self.cache.layout(self.seed, self.seq_len)
             self._open.clear()
         return self._layout
 
-    def _era(self, era: int, step: int, total: int) -> np.ndarray | None:
-        """Era `era`'s tokens, waited for; None when the split turned out shorter than `total` meanwhile."""
+    def _era(self, era: int, step: int) -> np.ndarray | None:
+        """Era `era`'s tokens, waited for; None when the stream's end became known meanwhile."""
         if era in self._open:
             return self._open[era]
-        started, said = time.perf_counter(), False
+        started, said, final = time.perf_counter(), False, self._final
         while (tokens := self.cache.load(era)) is None:
-            if self.cache.total_tokens() != total:
+            if self.layout() is not self._layout or self._final != final:
                 return None
             if self.encoder is not None and self.encoder.poll() is not None:
                 raise DataError(f"the era encoder stopped (exit code {self.encoder.returncode}, its message is above) "
@@ -307,25 +319,30 @@ class Reader:
         return tokens
 
     def batch(self, step: int, batch_size: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
-        from andrea_jax.data import batcher
-
+        positions = np.arange(step * batch_size, (step + 1) * batch_size)
         while True:
-            layout = self.layout()
-            needed = np.unique(layout.locate(np.arange(step * batch_size, (step + 1) * batch_size))[1])
-            eras = {int(era): self._era(int(era), step, layout.total_tokens) for era in needed}
-            if all(tokens is not None for tokens in eras.values()):
+            final, layout = self._final, self.layout()
+            epochs, eras_of_step, offsets = layout.locate(positions)
+            sequence = layout.era_sequence_number(epochs, eras_of_step)
+            self._window(layout, int(sequence.min()), int(sequence.max()))
+            eras = {int(era): self._era(int(era), step) for era in np.unique(eras_of_step)}
+            # A stream that ended short (its end recorded before the last era's manifest) changes the layout.
+            if all(tokens is not None for tokens in eras.values()) and self.layout() is layout and final == self._final:
                 break
-        batch = batcher.epoch_batch(layout, eras.__getitem__, step=step, batch_size=batch_size,
-                                    process_index=process_index, process_count=process_count)
-        if self.keep_eras and self.delete_passed:
-            epochs, eras_of_step, _ = layout.locate(np.arange(step * batch_size, (step + 1) * batch_size))
-            first = int(layout.era_sequence_number(epochs, eras_of_step).min())
-            if first != self._position:  # the encoder builds up to keep_eras from here; the rest goes
-                self._position = first
-                atomic.write(self.cache.position_path, json.dumps({"sequence": first}))
-                for era in drop_outside(self.cache, layout, first, self.keep_eras):
-                    self._open.pop(era, None)
-        return batch
+        rows = batcher.local_rows(batch_size, process_index, process_count)
+        return batcher.read_windows(eras, eras_of_step[rows], offsets[rows], self.seq_len)
+
+    def _window(self, layout: order.Layout, first: int, last: int) -> None:
+        """The step reads the eras of sequence numbers first..last: the encoder is told, the rest let go."""
+        if not self.keep_eras or self._position == (first, last):
+            return
+        self._position = (first, last)
+        if self.delete_passed:
+            atomic.write(self.cache.position_path, json.dumps({"sequence": first, "needed": last}))
+            drop_outside(self.cache, layout, first, max(self.keep_eras, last - first + 1))
+        window = {sequence % layout.num_eras for sequence in range(first, max(first + self.keep_eras, last + 1))}
+        for era in set(self._open) - window:
+            del self._open[era]
 
 
 def drop_outside(cache: EraCache, layout: order.Layout, position: int, keep_eras: int) -> set[int]:
@@ -341,8 +358,10 @@ def drop_outside(cache: EraCache, layout: order.Layout, position: int, keep_eras
 
 def start_encoder(workdir: str, config: ml_collections.ConfigDict, first_step: int) -> subprocess.Popen:
     """The encoder process for the run in `workdir` from step `first_step` on; its output joins the run's."""
+    # A session of its own: a Ctrl-C to the run's terminal is the run's to handle, which stops the encoder.
     return subprocess.Popen([sys.executable, "-m", "andrea_jax.data.eras", "--workdir", workdir,
-                             "--first-step", str(first_step), "--config", config.to_json()])
+                             "--first-step", str(first_step), "--parent", str(os.getpid()),
+                             "--config", config.to_json()], start_new_session=True)
 
 
 def _main() -> None:
@@ -351,10 +370,11 @@ def _main() -> None:
     parser = argparse.ArgumentParser(description="Encodes a run's streamed training split era by era.")
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--first-step", type=int, required=True)
+    parser.add_argument("--parent", type=int, required=True, help="the training run's process id")
     parser.add_argument("--config", required=True, help="the run's config as JSON")
     arguments = parser.parse_args()
     config = ml_collections.ConfigDict(json.loads(arguments.config))
-    parent = os.getppid()
+    parent = arguments.parent
     with contextlib.suppress(OSError, AttributeError):  # Linux: die with the training run, even by kill -9
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     alive = lambda: os.getppid() == parent  # elsewhere: stop at the next check

@@ -17,6 +17,8 @@ import dataclasses
 
 import numpy as np
 
+from andrea_jax.data import DataError
+
 _ROUNDS = 6
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _OFFSET, _PERMUTATION = 0, 1  # what a key is for, so that no two uses share one
@@ -64,7 +66,7 @@ class Layout:
     seq_len: int
     era_tokens: int = 0
     seed: int = 0
-    _epoch_starts: list = dataclasses.field(default_factory=lambda: [0], repr=False)
+    _epoch_starts: list = dataclasses.field(default_factory=lambda: [0], repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.era_tokens or self.era_tokens >= self.total_tokens:
@@ -94,7 +96,8 @@ class Layout:
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(epoch, era, token offset inside the era) of each window at `positions` of the whole run's order."""
         if self.windows_in_epoch(0) < 1:
-            raise ValueError(f"a split of {self.total_tokens} tokens holds no window of {self.seq_len + 1}")
+            raise DataError(f"the training split has {self.total_tokens} tokens, fewer than seq_len + 1 = "
+                            f"{self.seq_len + 1}; add text or lower seq_len")
         positions = np.asarray(positions, np.int64)
         epochs = self._epochs_of(positions)
         eras, offsets = np.empty_like(positions), np.empty_like(positions)

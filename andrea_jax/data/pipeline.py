@@ -77,11 +77,15 @@ def uses_eras(config: ml_collections.ConfigDict, splits: sources.Splits) -> bool
 
 def era_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources.Splits,
               tokenizer: Tokenizer) -> eras.EraCache:
-    """The eras of a streamed training split, keyed like a token cache and by their size."""
-    size = eras.era_tokens(config.data, int(config.seq_len))
-    identity = {**splits.identity, "train_tokens": splits.train_tokens, "era_tokens": size}
+    """The eras of a streamed training split: its run's (the workdir's record), keyed like a token cache."""
+    size, record_path = eras.era_tokens(config.data, int(config.seq_len)), os.path.join(workdir, eras.RECORD_FILE)
+    record = eras.start_record(record_path, splits.identity, size, splits.train_tokens)
+    if record["planned_tokens"] != splits.train_tokens:
+        print(f"the run's eras were planned for {record['planned_tokens']:,} tokens of the stream, and it keeps "
+              f"them (these steps would plan {splits.train_tokens:,}; more steps read them again)", flush=True)
+    identity = {**splits.identity, "run": record["run"], "era_tokens": size}
     directory = token_cache.cache_directory(sources.cache_dir_of(config.data), identity, tokenizer.sha256)
-    return eras.EraCache(directory, os.path.join(workdir, eras.RECORD_FILE), size, splits.train_tokens)
+    return eras.EraCache(directory, record_path, size, int(record["planned_tokens"]))
 
 
 def _texts(documents: Documents, start: int = 0, stop: int = sys.maxsize) -> Iterator[str]:
@@ -199,7 +203,6 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepa
         if not any(splits.train.read(0, _READ_DOCUMENTS)):
             raise DataError(token_cache.no_text("train"))
         train = era_cache(config, workdir, splits, tokenizer)
-        eras.new_record(train, {**splits.identity, "train_tokens": splits.train_tokens})
         eras.check_space(train, int(config.data.keep_eras))
     else:
         train = token_split(config, splits, tokenizer, "train")
@@ -218,7 +221,8 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepa
     record = {"cache_directories": {"train": train.directory if in_eras else os.path.dirname(train.path),
                                     "val": os.path.dirname(val.path)},
               "tokenizer_sha256": tokenizer.sha256, "source": splits.identity,
-              **({"train_eras": dataclasses.asdict(train)} if in_eras else {})}
+              **({"train_eras": {key: value for key, value in dataclasses.asdict(train).items()
+                                 if key != "record_path"}} if in_eras else {})}  # the workdir may move
     atomic.write(os.path.join(workdir, RECORD_FILE), json.dumps(record, indent=1))
     return Prepared(tokenizer, train, val)
 
@@ -238,6 +242,6 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = T
         raise DataError(f"cannot read {record_path} ({error}); the leading process must prepare "
                         f"the data first, in a workdir all processes share") from None
     tokenizer = tokenizers.load(os.path.join(workdir, TOKENIZER_FILE))  # the leader checked it against the config
-    train = eras.EraCache(**record["train_eras"]) if "train_eras" in record else \
-        _built_by_the_leader(directories["train"], "train")
+    train = eras.EraCache(**record["train_eras"], record_path=os.path.join(workdir, eras.RECORD_FILE)) \
+        if "train_eras" in record else _built_by_the_leader(directories["train"], "train")
     return Prepared(tokenizer, train, _built_by_the_leader(directories["val"], "val"))

@@ -48,7 +48,7 @@ class RunWindows:
         self.config, self.workdir = config, workdir
         self.seed, self.seq_len, self.batch_size = int(config.seed), int(config.seq_len), int(config.batch_size)
         if "train_eras" in record:
-            self.cache = eras.EraCache(**record["train_eras"])
+            self.cache = eras.EraCache(**record["train_eras"], record_path=os.path.join(workdir, eras.RECORD_FILE))
             self.layout, self.era_tokens = self.cache.layout(self.seed, self.seq_len), self.cache.era_tokens
             self.tokens_of = self.cache.load
         else:
