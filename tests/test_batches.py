@@ -30,6 +30,8 @@ def test_the_windows_printed_are_the_rows_the_steps_read(tmp_path, capsys):
             assert era == offset // prepared.train.era_tokens
             np.testing.assert_array_equal(stream[offset:offset + config.seq_len + 1], row)
 
+    with pytest.raises(UserError, match=r"^--steps 9:11 goes past the run's last step, 10$"):
+        batches.main(["--workdir", workdir, "--steps", "9:11"])
     batches.main(["--workdir", workdir, "--steps", "1", "--text"])
     out = capsys.readouterr().out.splitlines()
     era, offset = json.loads(json.dumps(batches.RunWindows(workdir).windows(1)[0]))

@@ -86,8 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object a line")
     arguments = parser.parse_args(argv)
     run = RunWindows(arguments.workdir)
+    steps = step_range(arguments.steps)
+    if steps.stop - 1 > int(run.config.steps):
+        raise UserError(f"--steps {arguments.steps} goes past the run's last step, {run.config.steps}")
     tokenizer = tokenizers.load(os.path.join(arguments.workdir, pipeline.TOKENIZER_FILE)) if arguments.text else None
-    for step in step_range(arguments.steps):
+    for step in steps:
         windows = run.windows(step)
         if arguments.json:
             line = {"step": step, "windows": [list(window) for window in windows]}
