@@ -1,8 +1,8 @@
 """Which attention implementation a run uses (`model.attention`), and the fused kernels for GPUs and TPUs.
 
-  xla     model.py's einsum path: float32 scores [B, H, L, L] in memory (on CPUs and GPUs in blocks of
-          queries, so that the blocks above the causal diagonal are skipped; a GPU computing in float16
-          writes the products in float16 and recomputes them in the backward).
+  xla     the einsum path (ops/einsum_attention.py): float32 scores [B, H, L, L] in memory (on CPUs and GPUs
+          in blocks of queries, so that the blocks above the causal diagonal are skipped; a GPU computing in
+          float16 writes the products in float16 and recomputes them in the backward).
   cudnn   cuDNN's fused (flash) attention through `jax.nn.dot_product_attention`, the scores in on-chip
           memory; NVIDIA GPUs of compute capability 8.0 and up (A100, L4, H100, ...).
   splash  JAX's Pallas splash kernel for TPUs: the scores in on-chip memory one block at a time, blocks
@@ -184,5 +184,5 @@ def _per_shard(kernel, q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: ja
                          check_vma=False)(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
 
 
-# The einsum path, xla, is model.py's. Splash takes q already scaled by 1/√K, cuDNN scales it itself.
+# The einsum path, xla, is ops/einsum_attention.py. Splash takes q already scaled by 1/√K, cuDNN scales it itself.
 FUSED = {"splash": splash_attention, "cudnn": cudnn_attention}

@@ -1,6 +1,8 @@
 """The model against the spec and against an independent float64 NumPy forward."""
 
+import collections
 import contextlib
+import dataclasses
 import io
 import math
 import re
@@ -13,7 +15,8 @@ import optax
 import pytest
 from jax import ad_checkpoint
 
-from andrea_jax import model, precision, sharding
+from andrea_jax import model, ops, sharding
+from andrea_jax.ops import einsum_attention, layer_norm, matmul, qkv_projections, tied_loss
 from andrea_jax.gpt2 import interop
 from andrea_jax.tools import parameter_table
 from andrea_jax.config import base_config
@@ -24,6 +27,12 @@ def small_model(**overrides):
     m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.vocab_size, m.max_len = 2, 64, 4, 256, 101, 16
     m.update(overrides)
     return m
+
+
+def lower_as(monkeypatch, platform, **choices):
+    """Programs traced from here on take `platform`'s ops (`ops.LOWERINGS`), with `choices` replaced."""
+    monkeypatch.setattr(sharding, "program_platform", lambda: platform)
+    monkeypatch.setitem(ops.LOWERINGS, platform, dataclasses.replace(ops.LOWERINGS[platform], **choices))
 
 
 def init(m, seed=0, scale=1.0):
@@ -160,7 +169,7 @@ def test_init_follows_gpt2():
 @pytest.mark.parametrize("query_block", [128, 5], ids=["one block", "blocks of 5"])
 def test_forward_matches_float64_numpy_reference(query_block, monkeypatch):
     # Blocks of 5 split the 16 queries 5, 5, 5, 1: each block sees only the keys up to its end.
-    monkeypatch.setitem(model.QUERY_BLOCKS, "cpu", query_block)
+    lower_as(monkeypatch, "cpu", query_block=query_block)
     m = small_model()
     params = init(m, scale=8.0)
     ids = np.random.default_rng(1).integers(0, m.vocab_size, (2, 16))
@@ -183,7 +192,7 @@ def test_gelu_is_the_tanh_form():
 
 @pytest.mark.parametrize("query_block", [128, 5], ids=["one block", "blocks of 5"])
 def test_causality(query_block, monkeypatch):
-    monkeypatch.setitem(model.QUERY_BLOCKS, "cpu", query_block)
+    lower_as(monkeypatch, "cpu", query_block=query_block)
     m = small_model()
     params = init(m)
     ids = np.random.default_rng(3).integers(0, m.vocab_size, (1, 16))
@@ -254,7 +263,7 @@ def mean_loss_of_a_small_model(seed):
 def test_query_blocks_give_the_unblocked_loss_and_gradients(monkeypatch):
     m, params, loss = mean_loss_of_a_small_model(7)
     expected, expected_grads = jax.value_and_grad(loss)(params)
-    monkeypatch.setitem(model.QUERY_BLOCKS, "cpu", 6)  # blocks of 6, 6, 4
+    lower_as(monkeypatch, "cpu", query_block=6)  # blocks of 6, 6, 4
     blocked, grads = jax.value_and_grad(loss)(params)
     np.testing.assert_allclose(float(blocked), float(expected), rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max(), rtol=0),
@@ -262,20 +271,17 @@ def test_query_blocks_give_the_unblocked_loss_and_gradients(monkeypatch):
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu"], ids=["kept probabilities", "recomputed (GPU programs)"])
-def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16(platform, monkeypatch):
-    # Each written-out backward against autodiff of the same forward (the dropout path with
+def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16(platform):
+    # Each platform's written-out backward against autodiff of the same forward (the dropout path with
     # an identity dropout), with a causal mask cut as a query block sees it (queries 5..11).
-    monkeypatch.setattr(model.sharding, "program_platform", lambda: platform)
-    taken, recomputing = [], model.recomputing_attention
-    monkeypatch.setattr(model, "recomputing_attention", lambda *a: taken.append(1) or recomputing(*a))
+    attend = ops.LOWERINGS[platform].attention
     q, k, v, g = normals(8, (2, 7, 3, 16), (2, 12, 3, 16), (2, 12, 3, 16), (2, 7, 3, 16))
     causal = jnp.tril(jnp.ones((12, 12), bool))[5:12]
-    autodiff = lambda dtype: jax.vjp(lambda *qkv: model.softmax_attention(
+    autodiff = lambda dtype: jax.vjp(lambda *qkv: einsum_attention.dropout_attention(
         *(x.astype(dtype) for x in qkv), causal, dtype, lambda p: p), q, k, v)
-    ours = lambda dtype: jax.vjp(lambda *qkv: model.softmax_attention(
-        *(x.astype(dtype) for x in qkv), causal, dtype), q, k, v)
+    ours = lambda dtype: jax.vjp(lambda *qkv: attend(*(x.astype(dtype) for x in qkv), causal, dtype), q, k, v)
     (out, vjp), (ref_out, ref_vjp) = ours(jnp.float32), autodiff(jnp.float32)
-    assert len(taken) == (platform == "gpu")
+    assert (attend is einsum_attention.recomputing_attention) == (platform == "gpu")
     if platform == "cpu":
         np.testing.assert_array_equal(out, ref_out)  # the same softmax
     else:  # exp(logits - log-sum-exp) rather than softmax's division
@@ -295,7 +301,7 @@ def test_attention_backward_is_autodiffs_in_float32_and_close_in_bfloat16(platfo
     for got, want in zip(vjp_half((4096 * g).astype(jnp.float16)), reference):
         assert np.all(np.isfinite(got)) and np.abs(got / 4096 - want).max() <= 0.005 * np.abs(want).max()
     if platform == "gpu":  # what the backward keeps: no [B, H, L, S] array, only [B, H, L] statistics
-        kept = model._recomputing_fwd(q, k, v, causal, jnp.float32)[1]
+        kept = einsum_attention._recomputing_fwd(q, k, v, causal, jnp.float32)[1]
         assert {x.shape for x in kept} == {(2, 7, 3, 16), (2, 12, 3, 16), (7, 12), (2, 3, 7, 1)}
 
         def score_products(dtype):  # the types of the [B, H, L, S] products: q·kᵀ twice, d_out·vᵀ once
@@ -308,8 +314,8 @@ def test_layer_norm_backward_is_autodiffs_in_float32_and_close_in_bfloat16():
     x, scale, bias, g = normals(9, (2, 5, 48), (48,), (48,), (2, 5, 48))
     x = 3.0 * x + 1.5  # rows away from mean 0 and variance 1
     scale, bias = 1 + 0.3 * scale, 0.2 * bias
-    autodiff = lambda dtype: jax.vjp(lambda *a: model.layer_norm(*a, 1e-5, dtype), x, scale, bias)
-    ours = lambda dtype: jax.vjp(lambda *a: model.fused_layer_norm(*a, 1e-5, dtype), x, scale, bias)
+    autodiff = lambda dtype: jax.vjp(lambda *a: layer_norm.layer_norm(*a, 1e-5, dtype), x, scale, bias)
+    ours = lambda dtype: jax.vjp(lambda *a: layer_norm.fused_layer_norm(*a, 1e-5, dtype), x, scale, bias)
     (out, vjp), (ref_out, ref_vjp) = ours(jnp.float32), autodiff(jnp.float32)
     np.testing.assert_array_equal(out, ref_out)  # one forward
     reference = ref_vjp(g)
@@ -321,18 +327,21 @@ def test_layer_norm_backward_is_autodiffs_in_float32_and_close_in_bfloat16():
         assert got.dtype == jnp.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # A bf16 input stream gets a bf16 gradient, as autodiff gives it.
-    dx16 = jax.vjp(lambda x: model.fused_layer_norm(x, scale, bias, 1e-5, jnp.bfloat16), x.astype(jnp.bfloat16))[1]
+    dx16 = jax.vjp(lambda x: layer_norm.fused_layer_norm(x, scale, bias, 1e-5, jnp.bfloat16),
+                   x.astype(jnp.bfloat16))[1]
     assert dx16(g.astype(jnp.bfloat16))[0].dtype == jnp.bfloat16
 
 
 def test_gpu_programs_take_the_written_out_layer_norm_backward_and_others_autodiffs(monkeypatch):
     m, params, loss = mean_loss_of_a_small_model(3)
-    called, fused = [], model.fused_layer_norm
-    monkeypatch.setattr(model, "fused_layer_norm", lambda *a: called.append(1) or fused(*a))
+    called = []
+    fused = lambda *a: called.append(1) or layer_norm.fused_layer_norm(*a)
+    for platform in ops.LOWERINGS:  # every platform taking the written-out backward
+        if ops.LOWERINGS[platform].layer_norm is layer_norm.fused_layer_norm:
+            monkeypatch.setitem(ops.LOWERINGS, platform, dataclasses.replace(ops.LOWERINGS[platform], layer_norm=fused))
     expected, expected_grads = jax.value_and_grad(loss)(params)
     assert called == []  # a CPU program is autodiff's
-    monkeypatch.setattr(model.sharding, "program_platform", lambda: "gpu")
-    monkeypatch.setitem(model.QUERY_BLOCKS, "gpu", 16)  # the GPU program's blocks, at this length one
+    lower_as(monkeypatch, "gpu", query_block=16)  # the GPU program's blocks, at this length one
     got, grads = jax.value_and_grad(loss)(params)
     assert len(called) == 2 * m.n_layer + 1  # every norm, ln_f too
     np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
@@ -351,7 +360,7 @@ def test_chunked_cross_entropy_is_optax_over_the_whole_logits_in_float32_and_clo
         model.tied_logits(x.astype(dtype), e, small_model(vocab_pad_multiple=8, dtype=jnp.dtype(dtype).name)),
         targets), x, embed)
     # Chunks of 3, 3 and 1 positions.
-    ours = lambda dtype: jax.vjp(lambda x, e: model.chunked_tied_cross_entropy(
+    ours = lambda dtype: jax.vjp(lambda x, e: tied_loss.chunked_tied_cross_entropy(
         x.astype(dtype), e, targets, m.vocab_size, dtype, 3), x, embed)
     (losses, vjp), (expected, reference_vjp) = ours(jnp.float32), autodiff(jnp.float32)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
@@ -387,33 +396,37 @@ def test_gpu_and_tpu_programs_take_their_written_out_backwards_at_autodiffs_resu
     params = init(m, scale=4.0)
     ids = np.random.default_rng(11).integers(0, m.vocab_size, (4, 17))
     loss = lambda p: forward(m, p, ids[:, :-1], targets_BxL=jnp.asarray(ids[:, 1:])).mean()
-    calls = {name: [] for name in ("chunked_tied_cross_entropy", "recomputing_attention", "qkv_projections")}
-    for name, log in calls.items():
-        monkeypatch.setattr(model, name, lambda *a, log=log, f=getattr(model, name): log.append(a) or f(*a))
+    calls = collections.defaultdict(list)  # an op's name -> its calls' arguments
+    logged = lambda f: lambda *a: calls[getattr(f, "func", f).__name__].append(a) or f(*a)
+    monkeypatch.setattr(tied_loss, "chunked_tied_cross_entropy", logged(tied_loss.chunked_tied_cross_entropy))
+    for platform, row in list(ops.LOWERINGS.items()):
+        monkeypatch.setitem(ops.LOWERINGS, platform, dataclasses.replace(
+            row, attention=logged(row.attention), qkv_projections=logged(row.qkv_projections)))
     expected, expected_grads = jax.value_and_grad(loss)(params)
-    assert all(log == [] for log in calls.values())  # a CPU program autodiffs optax's loss and three matmuls
-    monkeypatch.setitem(model.QUERY_BLOCKS, "gpu", 8)  # two query blocks a row
-    monkeypatch.setattr(model, "LOSS_CHUNK_TOKENS", 24)  # 4 rows × chunks of 6, 6 and 4 positions
+    # A CPU program autodiffs optax's loss and three matmuls, and keeps attention's probabilities.
+    assert set(calls) == {"softmax_attention", "three_products"}
     for platform in ("gpu", "tpu"):
-        monkeypatch.setattr(model.sharding, "program_platform", lambda: platform)
+        calls.clear()
+        # Two query blocks a row on a GPU; 4 rows × chunks of 6, 6 and 4 positions.
+        lower_as(monkeypatch, platform, query_block=8 if platform == "gpu" else None, loss_chunk_tokens=24)
         got, grads = sharded_loss_and_grads(m, params, loss, mesh_sizes)
         chunks = [a[-1] for a in calls["chunked_tied_cross_entropy"]]
-        queries = [a[0].shape[1] for a in calls["recomputing_attention"]]
-        assert chunks == [6] and len(calls["qkv_projections"]) == 2 * m.n_layer  # the params' init, then the loss
-        assert queries == ([1] * m.n_layer + [8, 8] * m.n_layer if platform == "gpu" else [])
+        assert chunks == [6] and len(calls["stacked"]) == 2 * m.n_layer  # the params' init, then the loss
+        attention = "recomputing_attention" if platform == "gpu" else "softmax_attention"
+        queries = [a[0].shape[1] for a in calls[attention]]
+        assert queries == [1] * m.n_layer + ([8, 8] if platform == "gpu" else [16]) * m.n_layer
+        assert set(calls) == {"chunked_tied_cross_entropy", "stacked", attention}
         np.testing.assert_allclose(float(got), float(expected), rtol=1e-5)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
                      grads, expected_grads)
-        for log in calls.values():
-            log.clear()
 
 
 def test_accelerator_programs_qkv_projections_are_three_matmuls_with_one_product_a_gradient():
     x, kernel, bias, *d_qkv = normals(12, (2, 5, 48), (48, 3, 4, 12), (3, 4, 12), *[(2, 5, 4, 12)] * 3)
     three = lambda dtype: jax.vjp(lambda x, w, b: tuple(
-        (precision.matmul(x, w[:, i], "bld,dhk->blhk", dtype, dtype) + b[i]).astype(dtype) for i in range(3)),
+        (matmul.matmul(x, w[:, i], "bld,dhk->blhk", dtype, dtype) + b[i]).astype(dtype) for i in range(3)),
         x, kernel, bias)
-    ours = lambda dtype: jax.vjp(lambda x, w, b: model.qkv_projections(x, w, b, dtype), x, kernel, bias)
+    ours = lambda dtype: jax.vjp(lambda x, w, b: qkv_projections.stacked(x, w, b, dtype), x, kernel, bias)
     (out, vjp), (ref_out, ref_vjp) = ours(jnp.float32), three(jnp.float32)
     for got, want in zip(out, ref_out):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

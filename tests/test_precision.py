@@ -1,4 +1,4 @@
-"""Mixed precision: the "auto" compute dtype and the matmul whose backward stays in bfloat16."""
+"""Mixed precision: the "auto" compute dtype and the matmul whose backward stays in bfloat16 (`ops/matmul.py`)."""
 
 import re
 
@@ -8,7 +8,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from andrea_jax import precision, train_step
+from andrea_jax import ops, precision, sharding, train_step
+from andrea_jax.ops.matmul import matmul
 from andrea_jax.config import ConfigError, base_config, validate
 from tests.test_model import normals, params_like_init
 
@@ -49,7 +50,7 @@ def test_config_accepts_auto_and_names_the_choices_on_a_typo():
         validate(c)
 
 
-SPECS = {  # every einsum the model routes through precision.matmul, at small shapes
+SPECS = {  # every einsum the model routes through ops.matmul, at small shapes
     "bld,dthk->blthk": ((2, 5, 8), (8, 3, 2, 4)),
     "blhk,hkd->bld": ((2, 5, 2, 4), (2, 4, 8)),
     "bld,df->blf": ((2, 5, 8), (8, 12)),
@@ -62,7 +63,7 @@ SPECS = {  # every einsum the model routes through precision.matmul, at small sh
 def test_low_precision_backward_is_the_bf16_product_of_the_rounded_cotangent(spec):
     shape_a, shape_b = SPECS[spec]
     a, b = normals(0, shape_a, shape_b, dtype=jnp.bfloat16)
-    out, vjp = jax.vjp(lambda x, y: precision.matmul(x, y, spec, jnp.bfloat16, jnp.float32), a, b)
+    out, vjp = jax.vjp(lambda x, y: matmul(x, y, spec, jnp.bfloat16, jnp.float32), a, b)
     assert out.dtype == jnp.float32
     g, = normals(1, out.shape)
     grad_a, grad_b = vjp(g)
@@ -139,7 +140,7 @@ def test_float32_backward_equals_autodiff(spec):
     # be autodiff's, to float32 rounding.
     shape_a, shape_b = SPECS[spec]
     a, b = normals(3, shape_a, shape_b)
-    out, vjp = jax.vjp(lambda x, y: precision.matmul(x, y, spec, jnp.float32, jnp.float32), a, b)
+    out, vjp = jax.vjp(lambda x, y: matmul(x, y, spec, jnp.float32, jnp.float32), a, b)
     g, = normals(4, out.shape)
     ref_out, ref_vjp = jax.vjp(lambda x, y: jnp.einsum(spec, x, y), a, b)
     np.testing.assert_array_equal(out, ref_out)
@@ -153,29 +154,29 @@ def test_float16_backward_runs_in_float16_and_needs_the_loss_scaled():
     # gradient vanishes; scaled by 2**16 (as the train step does for float16) it survives.
     x = jnp.ones((4, 8), jnp.float16)
     w = jnp.ones((8, 3), jnp.float32)
-    loss = lambda x, w, scale: scale * 2e-8 * precision.matmul(x, w, "td,dn->tn", jnp.float16).sum()
+    loss = lambda x, w, scale: scale * 2e-8 * matmul(x, w, "td,dn->tn", jnp.float16).sum()
     grad_x, grad_w = jax.grad(loss, argnums=(0, 1))(x, w, 1.0)
     assert grad_x.dtype == jnp.float16 and grad_w.dtype == jnp.float32
     assert float(jnp.abs(grad_w).max()) == 0.0
     scaled_grad_w = jax.grad(loss, argnums=1)(x, w, 2.0 ** 16) / 2.0 ** 16
     np.testing.assert_allclose(np.asarray(scaled_grad_w), 4 * 2e-8, rtol=1e-3)  # four rows of 2e-8
     # The bf16 path returns a float32 weight's gradient in float32 as well.
-    grad_w16 = jax.grad(lambda w: precision.matmul(x, w, "td,dn->tn", jnp.bfloat16).sum())(w)
+    grad_w16 = jax.grad(lambda w: matmul(x, w, "td,dn->tn", jnp.bfloat16).sum())(w)
     assert grad_w16.dtype == jnp.float32
 
 
 def test_matmul_refuses_specs_its_backward_cannot_transpose():
     with pytest.raises(ValueError, match="no index repeated"):
-        precision.matmul(jnp.ones((3, 3)), jnp.ones((3,)), "ii,i->i", jnp.float32)
+        matmul(jnp.ones((3, 3)), jnp.ones((3,)), "ii,i->i", jnp.float32)
 
 
 @pytest.mark.parametrize("platform, result_dtypes", [("cpu", {"f32"}), ("tpu", {"bf16"})])
 def test_products_return_the_compute_dtype_on_accelerators_and_float32_then_rounded_on_a_cpu(
         platform, result_dtypes, monkeypatch):
     """XLA:CPU multiplies bf16 fastest with float32 results; a GPU or TPU rounds in the product itself."""
-    monkeypatch.setattr(precision.sharding, "program_platform", lambda: platform)
+    monkeypatch.setattr(sharding, "program_platform", lambda: platform)
     x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 3), jnp.float32)
-    step = lambda x, w: precision.matmul(x, w, "td,dn->tn", jnp.bfloat16, jnp.bfloat16)
+    step = lambda x, w: ops.for_program().matmul(x, w, "td,dn->tn", jnp.bfloat16, jnp.bfloat16)
     out = jax.jit(step)(x, w)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(out, np.float32), 8.0)
@@ -186,9 +187,9 @@ def test_products_return_the_compute_dtype_on_accelerators_and_float32_then_roun
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_a_bias_added_in_the_product_on_gpus_is_autodiffs_in_float32_and_close_in_bfloat16(platform, monkeypatch):
-    monkeypatch.setattr(precision.sharding, "program_platform", lambda: platform)
+    monkeypatch.setattr(sharding, "program_platform", lambda: platform)
     x, w, bias, g = normals(4, (2, 5, 8), (8, 6), (6,), (2, 5, 6))
-    ours = lambda dtype: jax.vjp(lambda *a: precision.matmul(*a[:2], "bld,df->blf", dtype, dtype, bias=a[2]),
+    ours = lambda dtype: jax.vjp(lambda *a: ops.for_program().matmul(*a[:2], "bld,df->blf", dtype, dtype, bias=a[2]),
                                  x.astype(dtype), w, bias)
     out, vjp = ours(jnp.float32)
     expected, autodiff_vjp = jax.vjp(lambda x, w, b: jnp.einsum("bld,df->blf", x, w) + b, x, w, bias)
@@ -202,5 +203,5 @@ def test_a_bias_added_in_the_product_on_gpus_is_autodiffs_in_float32_and_close_i
     for got, want in zip(vjp16(g.astype(jnp.bfloat16)), reference):
         assert np.abs(np.asarray(got, np.float32) - want).max() <= 0.02 * np.abs(want).max()
     # Only a GPU program adds the bias inside the product's own backward.
-    jaxpr = str(jax.make_jaxpr(lambda x: precision.matmul(x, w, "bld,df->blf", jnp.float32, bias=bias))(x))
+    jaxpr = str(jax.make_jaxpr(lambda x: ops.for_program().matmul(x, w, "bld,df->blf", jnp.float32, bias=bias))(x))
     assert ("_matmul_plus_bias" in jaxpr) == (platform == "gpu")

@@ -1,5 +1,6 @@
 """The sharded train step: the same losses on every mesh, micro-batching, non-finite steps."""
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -8,7 +9,8 @@ import numpy as np
 import flax.linen as nn
 import pytest
 
-from andrea_jax import model, optimizer, sharding, train_step
+from andrea_jax import ops, optimizer, sharding, train_step
+from andrea_jax.ops import qkv_projections
 from andrea_jax.config import base_config
 
 VOCAB = 128  # divisible by every mesh axis here, so vocab sharding is exercised too
@@ -132,7 +134,7 @@ def test_loss_at_init_is_log_vocab():
 
 
 def test_bf16_steps_on_a_sharded_mesh_track_one_device_and_float32_autodiff(monkeypatch):
-    # The written-out backward (precision.matmul) in bf16 under fsdp and
+    # The written-out backward (ops.matmul) in bf16 under fsdp and
     # tensor sharding must move the parameters as one device does, and as plain float32
     # autodiff does: compared by the direction of the whole update after 4 AdamW steps (a
     # sign error in any gradient turns it around; 4 losses on random tokens would not).
@@ -145,7 +147,9 @@ def test_bf16_steps_on_a_sharded_mesh_track_one_device_and_float32_autodiff(monk
     sharded = update(run_steps(small_config(**bf16), (2, 2, 2))[1])
     autodiff_matmul = lambda x, kernel, spec, dtype, out_dtype=jnp.float32, bias=0.0: (jnp.einsum(
         spec, x.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32) + bias).astype(out_dtype)
-    monkeypatch.setattr(model, "matmul", autodiff_matmul)
+    monkeypatch.setitem(ops.LOWERINGS, "cpu", dataclasses.replace(
+        ops.CPU, matmul=autodiff_matmul,
+        qkv_projections=partial(qkv_projections.three_products, matmul=autodiff_matmul)))
     float32 = update(run_steps(small_config(), (1, 1, 1))[1])
     assert cosine(sharded, one_device) > 0.999
     assert cosine(one_device, float32) > 0.98
