@@ -245,7 +245,9 @@ def test_a_run_trains_while_its_eras_encode_and_logs_what_a_prebuilt_one_does(ru
     eras_at_first_log.append(len(glob.glob(str(cache / "tokens" / "*" / "train.era*.json"))))
     output = process.communicate(timeout=600)[0]
     assert process.returncode == 0, output[-3000:]
-    assert eras_at_first_log[0] < 16 / 4, output[-3000:]  # the first steps came before a quarter of the encode
+    # Steps came while eras were still being encoded (how many were ready by the first log depends on how long
+    # this machine took to compile: the in-process test above times the first step against the encode).
+    assert eras_at_first_log[0] < 16, output[-3000:]
     assert "waits for era" in output and "data_wait_seconds" in metrics.read(workdir)[0]
     assert logged(workdir) == runs["expected"]
 
