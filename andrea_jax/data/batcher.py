@@ -54,6 +54,11 @@ def epoch_batch(layout: order.Layout, tokens_of: Callable[[int], np.ndarray], *,
     return read_windows({int(era): tokens_of(int(era)) for era in np.unique(eras)}, eras, offsets, layout.seq_len)
 
 
+def random_starts(seed: int, step: int, num_windows: int, batch_size: int) -> np.ndarray:
+    """data.order="random": the first tokens of the step's whole batch, drawn with replacement."""
+    return np.random.default_rng([int(seed), int(step)]).integers(0, num_windows, size=batch_size)
+
+
 def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,
                 process_index: int = 0, process_count: int = 1) -> np.ndarray:
     """data.order="random" (runs started before data.order): this process's rows of the step's batch,
@@ -65,7 +70,7 @@ def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, se
     rows = local_rows(batch_size, process_index, process_count)
     # Every process draws the whole global batch's offsets (cheap) and keeps its rows,
     # so the slices of all processes concatenate to the single-process batch.
-    starts = np.random.default_rng([int(seed), int(step)]).integers(0, num_windows, size=batch_size)
+    starts = random_starts(seed, step, num_windows, batch_size)
     return _windows(tokens, starts[rows], seq_len)
 
 

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from andrea_jax import UserError, run_dir
-from andrea_jax.data import DataError, eras, order, pipeline, token_cache
+from andrea_jax.data import DataError, batcher, eras, order, pipeline, token_cache
 from andrea_jax.data import tokenizer as tokenizers
 
 _TEXT_CHARACTERS = 60
@@ -65,7 +65,7 @@ class RunWindows:
         index = step - 1
         if self.config.data.order == "random":
             num_windows = self.split.num_tokens - self.seq_len
-            starts = np.random.default_rng([self.seed, index]).integers(0, num_windows, size=self.batch_size)
+            starts = batcher.random_starts(self.seed, index, num_windows, self.batch_size)
             return [(0, int(start)) for start in starts]
         _, era_of, offset_of = self.layout.locate(np.arange(index * self.batch_size, (index + 1) * self.batch_size))
         return [(int(era), int(era) * self.era_tokens + int(offset)) for era, offset in zip(era_of, offset_of)]
