@@ -173,15 +173,28 @@ def test_a_gpu_in_float32_leaves_cudnn_to_auto_and_refuses_it_by_name():
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("d_model, n_head", [(768, 4), (640, 32)])
+@pytest.mark.parametrize("d_model, n_head", [(768, 4), (640, 32), (80, 4)])
 def test_a_gpu_compiles_heads_that_are_not_a_power_of_two_wide(d_model, n_head):
-    """Heads of 192 and of 20 take XLA's attention on an A100, whose output projection crashed XLA's GPU
-    compiler ("Couldn't find output tile sizes"); it is a 2-D product over the merged heads instead."""
+    """Heads of 192 and of 20 take XLA's attention on an A100, whose output projection, and the product of q, k
+    and v's stacked cotangents into x's gradient, crashed XLA's GPU compiler ("Couldn't find output tile
+    sizes"); each is a 2-D product over the merged heads instead."""
     steps = tiny_step_for("a100_40gb", **{"model.d_model": d_model, "model.n_head": n_head, "model.attention": "auto"})
     hlo = steps.train.as_text()
     assert steps.config.model.attention == "xla"
     assert re.search(rf"bf16\[512,{d_model}\]\S* dot\([^)]*\).*attn/blc,cd->bld/dot_general", hlo)
-    assert "attn/blhk,hkd->bld" not in hlo
+    assert "attn/blc,dc->bld/dot_general" in hlo  # in one product or split over its contraction
+    assert "attn/blhk,hkd->bld" not in hlo and "attn/blchk,dchk->bld" not in hlo
+
+
+@needs_cuda_plugin
+def test_an_h100_compiled_on_this_host_holds_cudnn_to_heads_of_128():
+    """JAX's cuDNN wrapper takes Hopper's heads of up to 256 only on a Hopper GPU itself: compiled here for an
+    H100, heads of 192 take XLA's attention under "auto", and a run that names cuDNN stops in one line."""
+    wide = {"model.d_model": 768, "model.n_head": 4}
+    assert tiny_step_for("h100", **wide, **{"model.attention": "auto"}).config.model.attention == "xla"
+    with pytest.raises(ConfigError, match=r"^model.attention='cudnn' takes heads of a multiple of 8 up to 128 wide "
+                                          r"when compiled without a Hopper GPU, not 192; use 'auto' or 'xla'$"):
+        tiny_step_for("h100", **wide, **{"model.attention": "cudnn"})
 
 
 def tiny_step_for(devices_or_topology, **overrides):

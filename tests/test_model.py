@@ -442,6 +442,14 @@ def test_accelerator_programs_qkv_projections_are_three_matmuls_with_one_product
     # The backward's two products take the three cotangents stacked: one reads x, the other the kernel.
     program = jax.jit(lambda *d: ours(jnp.bfloat16)[1](d)).lower(*(d.astype(jnp.bfloat16) for d in d_qkv)).as_text()
     assert len(re.findall(r"dot_general.*tensor<2x5x3x4x12xbf16>", program)) == 2
+    # GPUs' heads that are not a power of two wide (12 here): the product into x's gradient takes the stack
+    # merged into [B, L, 3·D] (`merge_odd_heads`), with the same gradients.
+    merged = lambda dtype: jax.vjp(lambda x, w, b: qkv_projections.stacked(x, w, b, dtype, merge_odd_heads=True),
+                                   x, kernel, bias)[1]
+    for got, want in zip(merged(jnp.float32)(tuple(d_qkv)), reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    program = jax.jit(lambda *d: merged(jnp.bfloat16)(d)).lower(*(d.astype(jnp.bfloat16) for d in d_qkv)).as_text()
+    assert re.search(r"dot_general.*\(tensor<2x5x144xbf16>, tensor<48x144xbf16>\)", program)
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():

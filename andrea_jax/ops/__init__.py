@@ -68,13 +68,15 @@ TPU = Lowering(
 # batch had XLA's GPU compiler lay the whole stream out batch-minor, transposed at every product. Heads
 # merged for the output projection: XLA's GPU compiler fuses the einsum path's output, laid out [B, H, K, L],
 # into the projection's Triton GEMM through a transpose over H and K, and finds no tiles for heads that are not
-# a power of two wide (20, 48, 96, 160, 192 on an A100: "Couldn't find output tile sizes").
+# a power of two wide (20, 48, 96, 160, 192 on an A100: "Couldn't find output tile sizes"); the same for the
+# stacked q, k and v cotangents in the product into x's gradient.
 GPU = dataclasses.replace(
     TPU,
     matmul=functools.partial(matmul.matmul, bias_in_product=True),
     layer_norm=layer_norm.fused_layer_norm,
     attention=einsum_attention.recomputing_attention,
     query_block=256,
+    qkv_projections=functools.partial(qkv_projections.stacked, merge_odd_heads=True),
     gathered_positions=True,
     merged_heads_out=True,
 )
