@@ -130,7 +130,7 @@ def test_fused_programs_leave_k_and_v_biases_to_softmax_with_the_einsum_programs
     ("auto", FakeDevice("gpu", "9.0"), 64, "float32", "xla"),  # cuDNN has no float32 kernel
     ("auto", FakeDevice("gpu", "8.0"), 60, "bfloat16", "xla"),  # not a multiple of 8
     ("auto", FakeDevice("gpu", "8.0"), 192, "bfloat16", "xla"),  # over 128 before Hopper
-    ("auto", FakeDevice("gpu", "9.0"), 192, "bfloat16", "cudnn"),  # Hopper takes up to 256
+    ("auto", FakeDevice("gpu", "9.0"), 192, "bfloat16", "xla"),  # up to 256 on a Hopper only if it is this host's
     ("auto", FakeDevice("gpu", "9.0"), 384, "bfloat16", "xla"),
     ("auto", FakeDevice("cpu"), 64, "bfloat16", "xla"),
     ("xla", FakeDevice("tpu"), 64, "bfloat16", "xla"),
@@ -138,6 +138,13 @@ def test_fused_programs_leave_k_and_v_biases_to_softmax_with_the_einsum_programs
 ])
 def test_auto_picks_each_chips_kernel_and_explicit_names_stay(name, device, width, dtype, expected):
     assert attention.resolve_name(name, width, dtype, device) == expected
+
+
+def test_a_hopper_running_the_program_takes_cudnn_heads_up_to_256(monkeypatch):
+    hopper = FakeDevice("gpu", "9.0")
+    monkeypatch.setattr(jax, "devices", lambda *backend: [hopper])  # JAX's wrapper asks the GPU it runs on
+    assert [attention.resolve_name("auto", width, "bfloat16", hopper) for width in (192, 256, 264)] == [
+        "cudnn", "cudnn", "xla"]
 
 
 def test_a_kernel_off_its_chip_or_at_a_width_it_cannot_take_is_refused_with_the_fix():
