@@ -44,6 +44,7 @@ def assert_fits_with_the_fewest(steps, target, lines):
 
 
 @needs_libtpu
+@pytest.mark.alone
 @pytest.mark.parametrize("topology", ["v5e-1", "v6e-1"])
 def test_andrea120m_as_typed_fits_one_colab_tpu_by_itself_in_one_microbatch(topology):
     steps, target, lines = fitted(topology)
@@ -63,6 +64,7 @@ def test_andrea120m_as_typed_fits_one_colab_tpu_by_itself_in_one_microbatch(topo
 
 
 @needs_libtpu
+@pytest.mark.alone
 def test_the_fineweb10b_recipe_compiles_for_a_v6e_1_in_the_micro_batches_its_fit_takes():
     """524,288 tokens a step in 8 micro-batches of 64 (4 would need at least twice the activations: 39 GiB), each
     micro-batch's traffic counted: the TPU's loop has no known trip count, only its condition's bound."""
