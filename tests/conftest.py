@@ -37,7 +37,7 @@ def _locked(path: str, operation: int):
 def pytest_runtest_protocol(item, nextitem):
     """A test marked `alone` waits until no other worker is inside a test and keeps the others out until it
     ends; every other test runs beside any but those. The full-size TPU compiles beside another worker took
-    four times as long as alone, and slowed that worker's tests as much (bench/RESULTS.md).
+    3 to 4 times as long as alone, and that worker's tests about twice theirs (bench/RESULTS.md).
 
     A readers-writer lock over the workers: a test holds the suite's lock shared, one marked `alone` holds it
     exclusively. A waiting `alone` test holds the turnstile, which every test passes through first, so the
