@@ -189,7 +189,7 @@ def test_a_gpu_compiles_heads_that_are_not_a_power_of_two_wide(d_model, n_head):
 
 
 @needs_cuda_plugin
-def test_an_h100_compiled_on_this_host_holds_cudnn_to_heads_of_128():
+def test_a_gpu_program_for_an_h100_compiled_on_this_host_holds_cudnn_to_heads_of_128():
     """JAX's cuDNN wrapper takes Hopper's heads of up to 256 only on a Hopper GPU itself: compiled here for an
     H100, heads of 192 take XLA's attention under "auto", and a run that names cuDNN stops in one line."""
     wide = {"model.d_model": 768, "model.n_head": 4}
