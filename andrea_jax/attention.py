@@ -55,10 +55,10 @@ def cudnn_problem(device, width: int, dtype: str) -> str | None:
     # Hopper's kernels take wider heads, but JAX's wrapper asks the GPU it runs on, not the program's target: a
     # program for an H100 compiled on a host without a Hopper GPU is held to 128.
     local = getattr(jax.devices()[0], "compute_capability", None)
-    hopper_here = local is not None and float(local) >= 9.0
-    widest = 256 if float(capability) >= 9.0 and hopper_here else 128
+    held = float(capability) >= 9.0 and (local is None or float(local) < 9.0)
+    widest = 256 if float(capability) >= 9.0 and not held else 128
     if width % 8 or width > widest:
-        where = "on this GPU" if float(capability) < 9.0 or hopper_here else "when compiled without a Hopper GPU"
+        where = "when compiled without a Hopper GPU" if held else "on this GPU"
         return f"takes heads of a multiple of 8 up to {widest} wide {where}, not {width}"
     return None
 
