@@ -6,6 +6,7 @@ Config files in `configs/` start from `base_config()` and change what they need;
 
 from __future__ import annotations
 
+import math
 import os
 
 import ml_collections
@@ -97,9 +98,15 @@ def base_config() -> ml_collections.ConfigDict:
     h.examples = 0  # examples a score during training takes, evenly spaced, the same each time; 0 = all 10,042
 
     c.optimizer = o = ml_collections.ConfigDict()
+    # "adamw", or "muon": Muon for the blocks' matrices, AdamW for the rest, at one rate (optimizer.py)
+    o.name = "adamw"
     o.learning_rate = 6e-4
     o.warmup_steps = 500
-    o.decay = "cosine"  # "cosine", "linear" or "constant" after warmup
+    # "cosine", "linear" or "constant" after warmup; "wsd" holds the peak, then cools down over the last
+    # cooldown_steps ("linear" or "1-sqrt"), so a resume with other steps moves the end while at the peak
+    o.decay = "cosine"
+    o.cooldown_steps = 0
+    o.cooldown_shape = "linear"
     o.min_learning_rate_ratio = 0.1  # the floor, as a fraction of the peak
     o.weight_decay = 0.1
     # The tied embedding is both input table and output matrix; GPT-2 and
@@ -109,6 +116,8 @@ def base_config() -> ml_collections.ConfigDict:
     o.b2 = 0.95
     o.eps = 1e-8
     o.grad_clip_norm = 1.0
+    o.muon_momentum = 0.95  # Muon's Nesterov momentum
+    o.muon_ns_steps = 5  # Newton–Schulz iterations orthogonalising each update
 
     # Mesh axis sizes; -1 takes the devices the other axes leave.
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
@@ -149,6 +158,15 @@ def _at_least(low: int, meaning: str = "") -> tuple:
     return (lambda value: value >= low), f"must be >= {low}" + (f" ({meaning})" if meaning else "")
 
 
+def _finite(low: float, high: float, interval: str) -> tuple:
+    """A finite number in [low, high], open at the ends `interval` writes with a parenthesis."""
+    def allowed(value) -> bool:
+        number = float(value)
+        return (math.isfinite(number) and (number > low if interval[0] == "(" else number >= low)
+                and (number < high if interval[-1] == ")" else number <= high))
+    return allowed, f"must be a finite number in {interval}"
+
+
 def _one_of(*choices: str) -> tuple:
     return (lambda value: value in choices), "is not one of " + ", ".join(map(repr, choices))
 
@@ -176,8 +194,18 @@ RULES = (
     ("data.keep_eras", _at_least(0, "0 = keep every era")),
     ("hellaswag.every", _at_least(0, "0 = never")),
     ("hellaswag.examples", _at_least(0, "0 = all")),
-    ("optimizer.decay", _one_of("cosine", "linear", "constant")),
-    ("optimizer.min_learning_rate_ratio", ((lambda value: 0.0 <= value <= 1.0), "must be in [0, 1]")),
+    ("optimizer.name", _one_of("adamw", "muon")),
+    ("optimizer.decay", _one_of("cosine", "linear", "constant", "wsd")),
+    ("optimizer.cooldown_steps", _at_least(0)),
+    ("optimizer.cooldown_shape", _one_of("linear", "1-sqrt")),
+    ("optimizer.learning_rate", _finite(0, math.inf, "(0, inf)")),
+    ("optimizer.min_learning_rate_ratio", _finite(0, 1, "[0, 1]")),
+    ("optimizer.b1", _finite(0, 1, "[0, 1)")),
+    ("optimizer.b2", _finite(0, 1, "[0, 1)")),
+    ("optimizer.eps", _finite(0, math.inf, "(0, inf)")),
+    ("optimizer.weight_decay", _finite(0, math.inf, "[0, inf)")),
+    ("optimizer.muon_momentum", _finite(0, 1, "[0, 1)")),
+    ("optimizer.muon_ns_steps", _at_least(1)),
     ("optimizer.grad_clip_norm", ((lambda value: value > 0), "must be positive (a clip of 0 zeroes every gradient); "
                                                              "use a large value such as 1e9 to turn clipping off")),
     ("optimizer.warmup_steps", _at_least(0)),
@@ -210,5 +238,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
                           f"lower seq_len or raise model.max_len")
     if c.hellaswag.every and (problem := hellaswag_source_problem(str(c.hellaswag.source))):
         raise ConfigError(f"hellaswag.source: {problem}; or hellaswag.every=0 (no HellaSwag in training)")
+    o = c.optimizer
+    if o.decay == "wsd" and not 1 <= o.cooldown_steps <= c.steps - min(o.warmup_steps, c.steps):
+        raise ConfigError(f"optimizer.cooldown_steps={o.cooldown_steps} must be from 1 to the "
+                          f"{c.steps - min(o.warmup_steps, c.steps)} steps after warmup with decay='wsd'; "
+                          f"about a fifth of the steps ({max(1, c.steps // 5)}) is usual")
     if sum(int(c.mesh[a]) == -1 for a in ("data", "fsdp", "tensor")) > 1:
         raise ConfigError("only one of mesh.data, mesh.fsdp, mesh.tensor may be -1")

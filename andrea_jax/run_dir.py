@@ -60,7 +60,7 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
 
 
 def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict, workdir: str) -> None:
-    """The new config must build the same model as the saved one (other keys may change).
+    """The new config must build the same model and optimizer state as the saved one (other keys may change).
 
     A saved model.vocab_size=0 is a run stopped before it knew its tokenizer: its tokenizer.json decides.
     """
@@ -69,6 +69,10 @@ def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.Co
         if old != new and not (key == "vocab_size" and 0 in (old, new)):
             raise ConfigError(f"{workdir} holds a run with model.{key}={old}, not {new}; "
                               f"pass --config.model.{key}={old}, or use a new --workdir")
+    if saved.optimizer.name != config.optimizer.name:  # the checkpoints' optimizer state has another tree
+        raise ConfigError(f"{workdir} holds a run trained with optimizer.name={saved.optimizer.name!r}, whose "
+                          f"optimizer state {config.optimizer.name!r} cannot take; pass "
+                          f"--config.optimizer.name={saved.optimizer.name}, or use a new --workdir")
 
 
 def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:

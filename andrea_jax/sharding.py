@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 import ml_collections
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from andrea_jax.config import ConfigError
@@ -102,6 +103,10 @@ def unbox(boxed_tree: Any) -> Any:
 
 def logical_shardings(boxed_tree: Any, mesh: Mesh, axis_rules: tuple) -> Any:
     """NamedShardings for a tree of nn.Partitioned (or plain) shape structs."""
+    # optax.partition leaves an empty MaskedNode where a group holds no state; in a box it still gets a spec
+    boxed_tree = jax.tree.map(lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) and
+                              isinstance(x.value, optax.MaskedNode) else x, boxed_tree,
+                              is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
     mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), axis_rules)
     return jax.tree.map(lambda spec, leaf: NamedSharding(mesh, fit_spec(spec, leaf.shape, mesh)),
                         mesh_specs, unbox(boxed_tree), is_leaf=lambda x: isinstance(x, P))
