@@ -38,6 +38,11 @@ _START_UP_FILES = {run_dir.CONFIG_FILE, run_dir.LOCK_FILE, pipeline.TOKENIZER_FI
                    eras.RECORD_FILE, eras.POSITION_FILE}
 
 
+# The record of the first HellaSwag score at or above GPT-2 124M's (its value); with it "target/tokens" and
+# "target/hours" (of training, summed over the run's sessions).
+TARGET_KEY = "target/hellaswag_acc_norm"
+
+
 class TrainingStopped(UserError):
     """The run stopped on purpose (non-finite loss); the message says what to do."""
 
@@ -160,6 +165,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         held.callback(ckpt.close)  # an async save not waited for is lost
         restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256)
         carried_losses: list[float] = []
+        carried_seconds = 0.0  # the run's time in earlier sessions, up to the checkpoint it resumes from
         if restored is None:
             # Built directly sharded: the full model never sits on one device.
             state = jax.jit(lambda rng: sharding.unbox(init(rng)), out_shardings=state_shardings)(
@@ -169,6 +175,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
             restored_state, meta = restored
             start_step = int(meta["step"])
             carried_losses = list(meta.get("log_interval_losses", []))
+            carried_seconds = float(meta.get("train_seconds", 0.0))
             state = {"step": jax.device_put(np.int32(start_step), state_shardings["step"]), **restored_state}
             if "loss_scale" in abstract and "loss_scale" not in state:  # saved computing in another dtype
                 state["loss_scale"] = jax.device_put(loss_scale.init(), state_shardings["loss_scale"])
@@ -180,14 +187,15 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
             # (also before its first checkpoint): they are logged again below.
             metrics.truncate_after(workdir, start_step)
             run_dir.save_config(workdir, config)
+        target_reached = any(TARGET_KEY in record for record in metrics.read(workdir))
         # After the truncation, which replaces the file.
         writer = metrics.Writer(workdir, enabled=leader, start_step=start_step)
         held.callback(writer.close)
         if encoder is not None and encoder.first_step != start_step:  # a newer checkpoint was unreadable
             encoder.restart(start_step)
         reader, make_batch = _batches(config, prepared, encoder)
-        return _loop(steps, state, start_step, carried_losses, prepared, make_batch, reader, hellaswag_rows, mesh,
-                     peak, ckpt, writer)
+        return _loop(steps, state, start_step, carried_losses, carried_seconds, target_reached, prepared, make_batch,
+                     reader, hellaswag_rows, mesh, peak, ckpt, writer)
 
 
 class _Encoder:
@@ -234,10 +242,13 @@ def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, enc
                                                   seq_len=config.seq_len, **rows)
 
 
-def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], prepared: pipeline.Prepared,
-          make_batch, reader: eras.Reader | None, hellaswag_rows: hellaswag.Encoded | None, mesh: jax.sharding.Mesh,
-          peak: float | None, ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
+def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], carried_seconds: float,
+          target_reached: bool, prepared: pipeline.Prepared, make_batch, reader: eras.Reader | None,
+          hellaswag_rows: hellaswag.Encoded | None, mesh: jax.sharding.Mesh, peak: float | None,
+          ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
     config, leader = steps.config, jax.process_index() == 0
+    session_start = time.perf_counter()
+    train_seconds = lambda: carried_seconds + time.perf_counter() - session_start  # the run's, over its sessions
     batch_sharding = sharding.batch_sharding(mesh)
     flops_per_token = flops.flops_per_token(config.model, config.seq_len)
     val_windows = config.batch_size * min(config.eval_batches, batcher.num_val_batches(
@@ -306,7 +317,14 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
         progress.write(f"step {done}: hellaswag acc {scored['acc']:.4f} ± {scored['acc_stderr']:.4f}, acc_norm "
                        f"{scored['acc_norm']:.4f} ± {scored['acc_norm_stderr']:.4f} ({len(hellaswag_rows.labels)} "
                        f"examples)")
-        return {f"hellaswag/{key}": scored[key] for key in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
+        record = {f"hellaswag/{key}": scored[key] for key in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
+        nonlocal target_reached
+        if not target_reached and scored["acc_norm"] >= hellaswag.GPT2_124M_HELLASWAG:
+            target_reached, tokens, hours = True, done * config.batch_size * config.seq_len, train_seconds() / 3600
+            progress.write(f"step {done}: HellaSwag acc_norm reached GPT-2 124M's {hellaswag.GPT2_124M_HELLASWAG} "
+                           f"for the first time, after {tokens:,} tokens and {hours:.2f} hours of training")
+            record.update({TARGET_KEY: hellaswag.GPT2_124M_HELLASWAG, "target/tokens": tokens, "target/hours": hours})
+        return record
 
     actions = [(config.log_every, train_metrics), (config.eval_every, val_loss)]
     if hellaswag_rows is not None:
@@ -316,7 +334,8 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
     def save(done: int, state: dict) -> None:
         drain()  # never save a state that followed a non-finite step
         ckpt.save(done, state, {"tokenizer_sha256": prepared.tokenizer.sha256, "config": config.to_dict(),
-                                "data_step": done, "log_interval_losses": [float(loss) for loss in interval_losses]})
+                                "data_step": done, "log_interval_losses": [float(loss) for loss in interval_losses],
+                                "train_seconds": train_seconds()})
 
     stopping = announced = False
     prefetched = batcher.prefetch(make_batch, start_step, batch_sharding, end_step=config.steps)
@@ -378,12 +397,17 @@ def _report_schedule_change(saved: ml_collections.ConfigDict | None, config: ml_
         return
     pairs = [("steps", saved.steps, config.steps)] + [
         (f"optimizer.{key}", saved.optimizer[key], config.optimizer[key])
-        for key in ("learning_rate", "warmup_steps", "decay", "min_learning_rate_ratio")]
+        for key in ("learning_rate", "warmup_steps", "decay", "cooldown_steps", "cooldown_shape",
+                    "min_learning_rate_ratio")]
     changes = [f"{key} {old} → {new}" for key, old, new in pairs if old != new]
     if changes:
         now, before = (float(optimizer.learning_rate_schedule(c)(start_step)) for c in (config, saved))
-        print(f"the learning-rate schedule changes on resume ({', '.join(changes)}): step {start_step + 1} "
-              f"trains at {now:.3g}, where the run's own schedule gave {before:.3g}", flush=True)
+        cooldown = optimizer.cooldown_start(config)
+        if cooldown is not None and start_step < cooldown and now == before:
+            what = f"step {start_step + 1} trains at {now:.3g} as before; the cooldown now starts at step {cooldown}"
+        else:
+            what = f"step {start_step + 1} trains at {now:.3g}, where the run's own schedule gave {before:.3g}"
+        print(f"the learning-rate schedule changes on resume ({', '.join(changes)}): {what}", flush=True)
 
 
 def _agreed(local_stop: bool, done: int, config) -> bool:

@@ -61,6 +61,22 @@ def test_config_files_are_the_expected_models():
     (dict(data=dict(val_fraction=0.0)), "data.val_fraction=0.0 must be in (0, 0.5]"),
     (dict(data=dict(stream_tokens=-1)), "data.stream_tokens=-1 must be >= 0 (0 = 1.1 × the tokens"),
     (dict(data=dict(stream_val_documents=0)), "data.stream_val_documents=0 must be >= 1"),
+    (dict(optimizer=dict(name="sgd")), "optimizer.name='sgd' is not one of 'adamw', 'muon'"),
+    (dict(optimizer=dict(decay="wsd", cooldown_shape="cosine")), "optimizer.cooldown_shape='cosine' is not one of"),
+    (dict(optimizer=dict(decay="wsd", cooldown_steps=9_501)),
+     "optimizer.cooldown_steps=9501 must be from 1 to the 9500 steps after warmup with decay='wsd'"),
+    (dict(optimizer=dict(decay="wsd")), "optimizer.cooldown_steps=0 must be from 1 to the 9500 steps"),
+    (dict(optimizer=dict(cooldown_steps=-1)), "optimizer.cooldown_steps=-1 must be >= 0"),
+    (dict(optimizer=dict(learning_rate=float("nan"))), "optimizer.learning_rate=nan must be a finite number in (0, inf)"),
+    (dict(optimizer=dict(learning_rate=-1e-3)), "optimizer.learning_rate=-0.001 must be a finite number in (0, inf)"),
+    (dict(optimizer=dict(learning_rate=float("inf"))), "optimizer.learning_rate=inf must be a finite"),
+    (dict(optimizer=dict(b1=1.0)), "optimizer.b1=1.0 must be a finite number in [0, 1)"),
+    (dict(optimizer=dict(b2=-0.1)), "optimizer.b2=-0.1 must be a finite number in [0, 1)"),
+    (dict(optimizer=dict(eps=0.0)), "optimizer.eps=0.0 must be a finite number in (0, inf)"),
+    (dict(optimizer=dict(weight_decay=float("nan"))), "optimizer.weight_decay=nan must be a finite number in [0, inf)"),
+    (dict(optimizer=dict(min_learning_rate_ratio=float("nan"))), "optimizer.min_learning_rate_ratio=nan must be"),
+    (dict(optimizer=dict(muon_momentum=1.0)), "optimizer.muon_momentum=1.0 must be a finite number in [0, 1)"),
+    (dict(optimizer=dict(muon_ns_steps=0)), "optimizer.muon_ns_steps=0 must be >= 1"),
 ])
 def test_impossible_configs_name_the_fix(change, message):
     config = base_config()

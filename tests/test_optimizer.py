@@ -79,3 +79,110 @@ def test_the_passed_rate_gives_optax_adamw_s_updates_and_state_layout():
         expected, theirs = reference.update(grads, theirs, params)
         for a, b in zip(jax.tree.leaves((updates, ours)), jax.tree.leaves((expected, theirs))):
             np.testing.assert_array_equal(a, b)
+
+
+def wsd_config(shape, steps=1000):
+    c = schedule_config("wsd")
+    c.steps = steps
+    c.optimizer.update(dict(cooldown_steps=200, cooldown_shape=shape))
+    return c
+
+
+@pytest.mark.parametrize("shape", ["linear", "1-sqrt"])
+def test_wsd_warms_up_holds_the_peak_then_cools_down_to_the_floor(shape):
+    lr = optimizer.learning_rate_schedule(wsd_config(shape))
+    assert float(lr(50)) == pytest.approx(5e-4)
+    assert float(lr(100)) == pytest.approx(1e-3)  # the end of warmup
+    assert float(lr(500)) == pytest.approx(1e-3)  # stable
+    assert float(lr(800)) == pytest.approx(1e-3)  # the cooldown's first step is still the peak
+    # a quarter into the cooldown: linear has come down a quarter of the way, 1-sqrt half of it
+    down = {"linear": 0.25, "1-sqrt": 0.5}[shape]
+    assert float(lr(850)) == pytest.approx(1e-3 - down * 9e-4, rel=1e-5)
+    assert float(lr(999)) == pytest.approx(1e-4 + 9e-4 * (1 - {"linear": 199 / 200, "1-sqrt": np.sqrt(199 / 200)}[shape]),
+                                           rel=1e-4)  # the last step trained
+    assert float(lr(1000)) == pytest.approx(1e-4)
+    assert optimizer.cooldown_start(wsd_config(shape)) == 800
+    assert optimizer.cooldown_start(schedule_config("cosine")) is None
+
+
+def test_a_wsd_run_resumed_with_more_steps_while_at_its_peak_changes_no_rate_already_applied():
+    planned, moved = optimizer.learning_rate_schedule(wsd_config("1-sqrt")), \
+        optimizer.learning_rate_schedule(wsd_config("1-sqrt", steps=1400))
+    resumed_at = 700  # still at the peak in both plans
+    np.testing.assert_array_equal([float(planned(k)) for k in range(resumed_at)],
+                                  [float(moved(k)) for k in range(resumed_at)])
+    assert float(moved(1000)) == pytest.approx(1e-3) and float(moved(1400)) == pytest.approx(1e-4)
+    # Ending it early: steps = the checkpoint's step + cooldown_steps cools down from there.
+    ended = optimizer.learning_rate_schedule(wsd_config("1-sqrt", steps=resumed_at + 200))
+    assert float(ended(resumed_at)) == pytest.approx(1e-3) and float(ended(resumed_at + 200)) == pytest.approx(1e-4)
+
+
+def small_params(scan_layers=False):
+    m = base_config().model
+    m.n_layer, m.d_model, m.n_head, m.mlp_dim, m.max_len, m.vocab_size, m.scan_layers = 2, 32, 4, 64, 16, 50, scan_layers
+    return nn.meta.unbox(model.init_params(m, jax.random.key(0)))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(scan_layers):
+    groups = optimizer.muon_groups(small_params(scan_layers))
+    flat = {jax.tree_util.keystr(p, simple=True, separator="/"): v
+            for p, v in jax.tree_util.tree_flatten_with_path(groups)[0]}
+    assert {k.rsplit("/", 1)[-1] for k, v in flat.items() if v == "muon"} == \
+        {"qkv_kernel", "out_kernel", "fc_kernel", "proj_kernel"}
+    assert {k.rsplit("/", 1)[-1] for k, v in flat.items() if v == "adam"} == \
+        {"token_embed", "position_embed", "qkv_bias", "out_bias", "fc_bias", "proj_bias", "scale", "bias"}
+
+
+def newton_schulz(matrix, steps=5):
+    """Muon's quintic iteration in float64 NumPy (Keller Jordan's coefficients), wide side last."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    tall = matrix.shape[0] > matrix.shape[1]
+    x = matrix.T if tall else matrix
+    x = x / (np.linalg.norm(x) + 1e-8)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def test_muon_s_update_of_each_matrix_is_newton_schulz_of_its_nesterov_momentum():
+    """Two updates with no decay and no clipping against NumPy: q, k and v each orthogonalised as the [D, H·K]
+    projection it stands for, the output projection as [H·K, D], the MLP's as they are; scaled to AdamW's RMS."""
+    c = base_config()
+    c.optimizer.update(dict(name="muon", weight_decay=0.0, grad_clip_norm=1e9))
+    params = small_params()
+    tx = optimizer.make(c)
+    state, rng, beta = tx.init(params), np.random.default_rng(0), c.optimizer.muon_momentum
+    grads = [jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params) for _ in range(2)]
+    update = jax.jit(lambda g, s, p: tx.update(g, s, p, learning_rate=0.5))
+    for t, step_grads in enumerate(grads, start=1):
+        updates, state = update(step_grads, state, params)
+        block, block_grads = updates["block_1"], step_grads["block_1"]
+        # optax's Nesterov: beta × (momentum debiased one step ahead) + (1 - beta) × (gradient debiased)
+        momenta = {}
+        for name in ("qkv_kernel", "out_kernel", "fc_kernel"):
+            part = "attn" if name != "fc_kernel" else "mlp"
+            g = np.asarray(block_grads[part][name], np.float64)
+            m = sum(beta ** (t - i) * (1 - beta) * np.asarray(grads[i - 1]["block_1"][part][name], np.float64)
+                    for i in range(1, t + 1))
+            momenta[name] = beta * m / (1 - beta ** (t + 1)) + (1 - beta) * g / (1 - beta ** t)
+        d, three, h, k = momenta["qkv_kernel"].shape
+        expected_qkv = np.stack([newton_schulz(momenta["qkv_kernel"][:, i].reshape(d, h * k)).reshape(d, h, k)
+                                 for i in range(three)], axis=1) * 0.2 * np.sqrt(max(d, h * k))
+        expected_out = newton_schulz(momenta["out_kernel"].reshape(h * k, d)).reshape(h, k, d) * 0.2 * np.sqrt(d)
+        fc = momenta["fc_kernel"]
+        expected_fc = newton_schulz(fc) * 0.2 * np.sqrt(max(fc.shape))
+        np.testing.assert_allclose(block["attn"]["qkv_kernel"], -0.5 * expected_qkv, atol=1e-5)
+        np.testing.assert_allclose(block["attn"]["out_kernel"], -0.5 * expected_out, atol=1e-5)
+        np.testing.assert_allclose(block["mlp"]["fc_kernel"], -0.5 * expected_fc, atol=1e-5)
+    # The other group is the AdamW of optimizer.name="adamw", step for step (to float32's rounding).
+    adam_c = base_config()
+    adam_c.optimizer.update(dict(weight_decay=0.0, grad_clip_norm=1e9))
+    adam_tx = optimizer.make(adam_c)
+    adam_state = adam_tx.init(params)
+    for step_grads in grads:
+        adam_updates, adam_state = adam_tx.update(step_grads, adam_state, params, learning_rate=0.5)
+    np.testing.assert_allclose(updates["token_embed"], adam_updates["token_embed"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(updates["block_1"]["ln_1"]["scale"], adam_updates["block_1"]["ln_1"]["scale"],
+                               rtol=1e-6, atol=1e-7)

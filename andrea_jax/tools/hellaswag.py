@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from andrea_jax import evaluate, sharding, train_step
 from andrea_jax.data import DataError, batcher, sources
 from andrea_jax.data.tokenizer import Tokenizer
+from andrea_jax.tools.plotting import GPT2_124M_HELLASWAG  # the recipes' target, drawn in the plots
 
 VALIDATION_EXAMPLES = 10_042  # the validation split everyone reports
 ENDINGS = 4
