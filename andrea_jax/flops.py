@@ -46,6 +46,21 @@ def flops_per_token(model_config: ml_collections.ConfigDict, seq_len: int) -> fl
     return 6 * non_embedding_params(model_config) + attention_flops_per_token(model_config, seq_len)
 
 
+def newton_schulz_flops(model_config: ml_collections.ConfigDict, ns_steps: int) -> float:
+    """FLOPs of one Muon update's orthogonalisations (`optimizer.MUON_MATRICES`) where one device holds whole
+    matrices (a data-parallel mesh): each iteration on an m × n matrix (m ≤ n) forms X·Xᵀ (2m²n), its square
+    (2m³) and the product back into X (2m²n); q, k, v and the output projection are D × D, the MLP's D × F."""
+    m = model_config
+    d, f = m.d_model, mlp_hidden_dim(m)
+
+    def iteration(rows: int, cols: int) -> int:
+        short, wide = min(rows, cols), max(rows, cols)
+        return 4 * short * short * wide + 2 * short ** 3
+
+    mlp_matrices = 3 if m.activation == "swiglu" else 2
+    return m.n_layer * ns_steps * (4 * iteration(d, d) + mlp_matrices * iteration(d, f))
+
+
 def device_peak_flops(device: jax.Device, dtype: str = "bfloat16") -> float | None:
     """The table's peak for this device computing in `dtype`, or None (CPUs, unknown accelerators).
 

@@ -199,6 +199,38 @@ def test_a_gpu_program_for_an_h100_compiled_on_this_host_holds_cudnn_to_heads_of
         tiny_step_for("h100", **wide, **{"model.attention": "cudnn"})
 
 
+@needs_libtpu
+def test_muon_s_newton_schulz_shows_in_a_v5e_1_step_s_flops_and_optimizer_bytes():
+    """A one-block step (andrea120m's full one takes minutes to compile here): Muon's iterations are the
+    optimizer's products, their FLOPs a line of the report and part of the roofline, their bytes the optimizer's."""
+    from andrea_jax import flops
+    target = targets.named("v5e-1")
+    adamw, muon = (tiny_step_for("v5e-1", **{"optimizer.name": name}) for name in ("adamw", "muon"))
+    adamw_cost, muon_cost = check.step_cost(adamw, target), check.step_cost(muon, target)
+    assert adamw_cost.optimizer_flops == 0
+    assert muon_cost.optimizer_flops == flops.newton_schulz_flops(muon.config.model, 5) == \
+        5 * (4 * 6 * 128 ** 3 + 2 * (4 * 128 ** 2 * 3072 + 2 * 128 ** 3))  # q, k, v, out; fc, proj
+    # The products XLA counts grow by the iterations' (TPU cost analysis counts a step's FLOPs).
+    assert muon_cost.xla_flops - adamw_cost.xla_flops == pytest.approx(muon_cost.optimizer_flops, rel=0.05)
+    # Muon reads one moment where AdamW reads two; its iterations' matrices are small enough to stay on the chip.
+    assert 0 < muon_cost.hbm_bytes["optimizer"] < adamw_cost.hbm_bytes["optimizer"]
+    assert "Muon's Newton–Schulz iterations: 0.00 T a step on each device" in check.describe(muon, target)
+    # One moment, not two, for the matrices Muon takes: less optimizer state on the chip.
+    assert muon.train_memory.arguments < adamw.train_memory.arguments
+
+
+@needs_cuda_plugin
+def test_andrea120m_with_muon_fits_a_gpu_h100_in_the_micro_batches_adamw_takes():
+    steps, target, lines = fitted("h100", **{"optimizer.name": "muon"})
+    assert_fits_with_the_fewest(steps, target, lines)
+    assert steps.config.microbatches == 1
+    cost = check.step_cost(steps, target)
+    assert cost.optimizer_flops == pytest.approx(12 * 5 * (4 * 6 * 768 ** 3 + 2 * (4 * 768 ** 2 * 3072 + 2 * 768 ** 3)))
+    # Once a step of 32 × 1024 tokens the iterations move ~22 GB in float32 (bench/RESULTS.md): ~20% of the step
+    assert cost.hbm_bytes["optimizer"] > 0 and cost.mfu_bound >= 0.65
+    assert "Muon's Newton–Schulz iterations" in check.describe(steps, target)
+
+
 def tiny_step_for(devices_or_topology, **overrides):
     config = andrea120m.get_config()
     config.update_from_flattened_dict({"model.n_layer": 1, "model.d_model": 128, "model.n_head": 2,

@@ -49,6 +49,7 @@ class StepCost:
     model_flops: float  # a step, all devices, nanoGPT/PaLM convention
     xla_flops: float | None  # a step, all devices, by XLA's count; None where XLA gives none (GPUs)
     hbm_bytes: dict[str, float]  # device-memory bytes a step moves on one device, by part (`hbm_traffic`)
+    optimizer_flops: float  # a step, one device: Muon's Newton–Schulz iterations (0 for AdamW)
     attention_fill: float  # the share of a TPU's matrix units attention's products fill (1 elsewhere)
     roofline_seconds: float | None  # max(model FLOPs at the fill they get / peak, bytes / bandwidth) of one device
     mfu_bound: float | None  # model_flops / (roofline_seconds × devices × the chip's peak)
@@ -65,27 +66,32 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
     TPU whose matrix units are wider they fill only that share of them and take that much longer.
     There the compute side is the larger of the model's FLOPs at peak and the FLOPs the chip runs
     (attention's as its kernel computes them, `attention.products_computed`) at the rate they get:
-    the bound never reads better than the chip can do.
+    the bound never reads better than the chip can do. Muon's orthogonalisations add their FLOPs on each
+    device (each orthogonalises whole matrices) to the compute side.
     """
     config, devices = steps.config, len(target.devices)
     tokens = config.batch_size * config.seq_len
     model_flops = flops.flops_per_token(config.model, config.seq_len) * tokens
     attention_flops = flops.attention_flops_per_token(config.model, config.seq_len) * tokens
     fill = target.fill_of(config.model.d_model // config.model.n_head)
+    optimizer_flops = (flops.newton_schulz_flops(config.model, int(config.optimizer.muon_ns_steps))
+                       if config.optimizer.name == "muon" else 0.0)
     cost = steps.train.cost_analysis() or {}
     xla_flops = cost["flops"] * devices * config.microbatches if "flops" in cost else None
     traffic = hbm_traffic.count(steps.train.as_text())
     peak = flops.device_peak_flops(target.devices[0], config.model.dtype)
     if not peak or not target.memory_bytes_per_second:
-        return StepCost(model_flops, xla_flops, traffic, fill, None, None)
+        return StepCost(model_flops, xla_flops, traffic, optimizer_flops, fill, None, None)
     at_peak_flops = model_flops
     if fill < 1:
         kind = target.devices[0].device_kind
         computed = attention_flops * attention.products_computed(config.model.attention, config.seq_len,
                                                                  config.model.d_model // config.model.n_head, kind)
         at_peak_flops = max(model_flops, model_flops - attention_flops + computed / fill)
-    seconds = max(at_peak_flops / devices / peak, sum(traffic.values()) / target.memory_bytes_per_second)
-    return StepCost(model_flops, xla_flops, traffic, fill, seconds, model_flops / (seconds * devices * peak))
+    seconds = max((at_peak_flops / devices + optimizer_flops) / peak,
+                  sum(traffic.values()) / target.memory_bytes_per_second)
+    return StepCost(model_flops, xla_flops, traffic, optimizer_flops, fill, seconds,
+                    model_flops / (seconds * devices * peak))
 
 
 def describe(steps: fit.Steps, target: targets.Target) -> str:
@@ -98,6 +104,10 @@ def describe(steps: fit.Steps, target: targets.Target) -> str:
                   f"convention)")
     if cost.xla_flops is not None:
         flops_text += f"; XLA counts {cost.xla_flops / 1e12:.2f} T without the custom kernels"
+    if cost.optimizer_flops:
+        flops_text += (f"\nMuon's Newton–Schulz iterations: {cost.optimizer_flops / 1e12:.2f} T a step on each device "
+                       f"({100 * cost.optimizer_flops * len(target.devices) / cost.model_flops:.1f}% of the model's), "
+                       f"counted at the chip's peak; their bytes are in the optimizer's row below")
     total = sum(cost.hbm_bytes.values())
     lines = [
         f"{target.name}: {len(target.devices)} × {target.devices[0].device_kind} over {target.num_hosts} host(s), "
