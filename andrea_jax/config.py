@@ -42,6 +42,14 @@ def base_config() -> ml_collections.ConfigDict:
     # Per-block gradient norms, sub-layer delta ratios and stream norms among the
     # train step's metrics (keys "diag/..."); a few reductions a step.
     c.diagnostics = False
+    # "A:B": a profiler trace of steps A to B (from 1) in the workdir's profile/ (trace.py); "" = none
+    c.profile_steps = ""
+    # Weights & Biases (optional: pip install wandb): every logged figure also goes to a W&B run of this
+    # project ("" = off), continued on resume; a failure to reach it waits timeout_seconds at most.
+    c.wandb = w = ml_collections.ConfigDict()
+    w.project = ""
+    w.entity = ""
+    w.timeout_seconds = 60
 
     c.model = m = ml_collections.ConfigDict()
     m.n_layer = 12
@@ -154,6 +162,18 @@ def hellaswag_source_problem(source: str) -> str | None:
     return None
 
 
+def profile_span(c: ml_collections.ConfigDict) -> tuple[int, int] | None:
+    """The first and last step `profile_steps` traces, or None; an impossible span is a ConfigError."""
+    text = str(c.profile_steps)
+    if not text:
+        return None
+    first, _, last = text.partition(":")
+    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last) <= c.steps):
+        raise ConfigError(f"profile_steps={text!r} must be 'A:B' with 1 <= A <= B <= steps={c.steps}, e.g. "
+                          f"'{min(10, c.steps)}:{min(12, c.steps)}' (a few steps after the first compiles)")
+    return int(first), int(last)
+
+
 def _at_least(low: int, meaning: str = "") -> tuple:
     return (lambda value: value >= low), f"must be >= {low}" + (f" ({meaning})" if meaning else "")
 
@@ -193,6 +213,7 @@ RULES = (
     ("data.era_windows", _at_least(1)),
     ("data.keep_eras", _at_least(0, "0 = keep every era")),
     ("hellaswag.every", _at_least(0, "0 = never")),
+    ("wandb.timeout_seconds", _at_least(1)),
     ("hellaswag.examples", _at_least(0, "0 = all")),
     ("optimizer.name", _one_of("adamw", "muon")),
     ("optimizer.decay", _one_of("cosine", "linear", "constant", "wsd")),
@@ -238,6 +259,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                           f"lower seq_len or raise model.max_len")
     if c.hellaswag.every and (problem := hellaswag_source_problem(str(c.hellaswag.source))):
         raise ConfigError(f"hellaswag.source: {problem}; or hellaswag.every=0 (no HellaSwag in training)")
+    profile_span(c)
     o = c.optimizer
     if o.decay == "wsd" and not 1 <= o.cooldown_steps <= c.steps - min(o.warmup_steps, c.steps):
         raise ConfigError(f"optimizer.cooldown_steps={o.cooldown_steps} must be from 1 to the "

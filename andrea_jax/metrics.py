@@ -11,7 +11,9 @@ import math
 import os
 from typing import Any
 
-from andrea_jax import event_files
+import ml_collections
+
+from andrea_jax import event_files, wandb_mirror
 from andrea_jax.event_files import SummaryWriter
 from andrea_jax.runtime import atomic
 
@@ -53,10 +55,13 @@ def truncate_after(workdir: str, step: int) -> None:
 class Writer:
     """Appends one JSON object per record and mirrors scalars to TensorBoard."""
 
-    def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0):
+    def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0,
+                 config: ml_collections.ConfigDict | None = None):
+        """With `config.wandb.project` set, every record also goes to W&B (`wandb_mirror.py`)."""
         self.enabled = enabled
         if not enabled:
             return
+        self._wandb = wandb_mirror.Mirror(workdir, config) if config is not None and config.wandb.project else None
         self._path = os.path.join(workdir, METRICS_FILE)
         self._jsonl = open(self._path, "a")
         # An event file's name has whole seconds only, and an existing file of that name is
@@ -75,9 +80,13 @@ class Writer:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._tensorboard.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(int(step), {key: value for key, value in record.items() if key != "step"})
 
     def close(self) -> None:
         if self.enabled:
             with atomic.writing(self._path):  # what a full disk left in the buffer
                 self._jsonl.close()
             self._tensorboard.close()
+            if self._wandb is not None:
+                self._wandb.close()

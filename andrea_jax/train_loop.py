@@ -25,7 +25,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from andrea_jax import (UserError, checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, resolve, run_dir,
-                        sharding, train_step)
+                        sharding, trace, train_step)
 from andrea_jax.tools import hellaswag, parameter_table
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, eras, order, pipeline
@@ -189,13 +189,15 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
             run_dir.save_config(workdir, config)
         target_reached = any(TARGET_KEY in record for record in metrics.read(workdir))
         # After the truncation, which replaces the file.
-        writer = metrics.Writer(workdir, enabled=leader, start_step=start_step)
+        writer = metrics.Writer(workdir, enabled=leader, start_step=start_step, config=config)
         held.callback(writer.close)
         if encoder is not None and encoder.first_step != start_step:  # a newer checkpoint was unreadable
             encoder.restart(start_step)
         reader, make_batch = _batches(config, prepared, encoder)
+        step_trace = trace.StepTrace(workdir, config)
+        held.callback(step_trace.close)
         return _loop(steps, state, start_step, carried_losses, carried_seconds, target_reached, prepared, make_batch,
-                     reader, hellaswag_rows, mesh, peak, ckpt, writer)
+                     reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace)
 
 
 class _Encoder:
@@ -245,7 +247,7 @@ def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, enc
 def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], carried_seconds: float,
           target_reached: bool, prepared: pipeline.Prepared, make_batch, reader: eras.Reader | None,
           hellaswag_rows: hellaswag.Encoded | None, mesh: jax.sharding.Mesh, peak: float | None,
-          ckpt: checkpoint.Checkpointer, writer: metrics.Writer) -> dict:
+          ckpt: checkpoint.Checkpointer, writer: metrics.Writer, step_trace: trace.StepTrace) -> dict:
     config, leader = steps.config, jax.process_index() == 0
     session_start = time.perf_counter()
     train_seconds = lambda: carried_seconds + time.perf_counter() - session_start  # the run's, over its sessions
@@ -341,7 +343,9 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
     prefetched = batcher.prefetch(make_batch, start_step, batch_sharding, end_step=config.steps)
     with _stop_signals() as received, contextlib.closing(prefetched) as batches:
         for step, batch in itertools.islice(batches, config.steps - start_step):
+            step_trace.before(step + 1)
             state, step_metrics = steps.train(state, batch)
+            step_trace.after(step + 1, state)
             pending.append((step, step_metrics))
             done, interval[1] = step + 1, interval[1] + 1
             progress.update(1)
