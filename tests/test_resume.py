@@ -28,15 +28,14 @@ def checkpoint_steps(workdir):
 STEPS = 40
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def unbroken_run(tmp_path, **overrides):
     """A 40-step config file (dropout on), a compilation cache, and the unbroken run's metrics.
 
     Every run here is a subprocess with one CPU device: runs compared bit for bit must
     compile the same programs, and the shared cache compiles them once.
     """
-    tmp_path = tmp_path_factory.mktemp("resume")
-    config = tiny_config(tmp_path, steps=STEPS, eval_every=10, **{"model.dropout": 0.1, "peak_flops": 1e12})
+    config = tiny_config(tmp_path, steps=STEPS, eval_every=10, **{"model.dropout": 0.1, "peak_flops": 1e12},
+                         **overrides)
     config_file = tmp_path / "run_config.py"
     config_file.write_text("import json\nimport ml_collections\n\n\ndef get_config():\n"
                            f"    return ml_collections.ConfigDict(json.loads({config.to_json()!r}))\n")
@@ -48,6 +47,11 @@ def run(tmp_path_factory):
     output = process.communicate(timeout=600)[0]
     assert process.returncode == 0, output[-3000:]
     return paths
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return unbroken_run(tmp_path_factory.mktemp("resume"))
 
 
 def start_train(run, workdir):
@@ -140,3 +144,17 @@ def test_sigterm_and_sigkill_lose_nothing_and_resume_exactly(run):
     assert resumed_from == saved[-1] >= next_checkpoint
     assert logged(workdir) == logged(run["unbroken"])  # every record, once, bit for bit
     assert checkpoint_steps(workdir) == checkpoint_steps(run["unbroken"]) == [30, 35, 40]
+
+
+def test_muon_with_wsd_killed_resumes_bit_for_bit(tmp_path):
+    muon = unbroken_run(tmp_path, **{"optimizer.name": "muon", "optimizer.decay": "wsd", "optimizer.cooldown_steps": 8})
+    workdir = str(tmp_path / "killed")
+    process = start_train(muon, workdir)
+    wait_for(lambda: 10 in checkpoint_steps(workdir) and last_logged_step(workdir) > 10, process, "checkpoint 10")
+    process.kill()
+    process.communicate(timeout=60)
+    assert last_logged_step(workdir) < STEPS, "the run ended before the kill; the test needs it to die early"
+    process = start_train(muon, workdir)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0 and "resumed from step " in output, output[-3000:]
+    assert logged(workdir) == logged(muon["unbroken"])  # every record, once, bit for bit
