@@ -148,3 +148,20 @@ def test_the_fineweb10b_recipe_is_llm_c_schedule_on_ten_billion_tokens():
     assert c.data.source == "hf:HuggingFaceFW/fineweb-edu/sample-10BT" and c.data.stream_tokens * 2 == 20e9
     assert 1000 <= c.hellaswag.every <= 2000 and c.hellaswag.examples == 2000
     assert c.checkpoint_every <= 250 and c.model.d_model == 768 and c.model.vocab_size == 8449
+
+
+def test_the_fineweb5b_recipe_is_muon_with_wsd_on_five_billion_tokens():
+    from configs import andrea120m_fineweb5b, andrea120m_fineweb10b
+
+    c, llmc = andrea120m_fineweb5b.get_config(), andrea120m_fineweb10b.get_config()
+    validate(c)
+    tokens = c.steps * c.batch_size * c.seq_len
+    assert tokens == pytest.approx(5.0e9, rel=0.001) and tokens <= c.data.stream_tokens
+    o = c.optimizer
+    assert (o.name, o.learning_rate, o.decay, o.cooldown_shape) == ("muon", 3 * llmc.optimizer.learning_rate,
+                                                                    "wsd", "1-sqrt")
+    assert o.cooldown_steps == round(0.2 * c.steps) and o.min_learning_rate_ratio == 0.1
+    # The rest is llm.c's recipe: model, data, batch and evaluation side by side.
+    assert c.data.source == llmc.data.source
+    for key in ("model", "batch_size", "seq_len", "hellaswag", "eval_every", "checkpoint_every"):
+        assert c[key] == llmc[key]
