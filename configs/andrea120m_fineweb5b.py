@@ -10,7 +10,7 @@ def get_config():
     c = andrea120m_fineweb10b.get_config()  # the model, data, batch (524,288 tokens a step) and evaluation
     c.steps = 9_537  # × 524,288 = 5.0B tokens: where AdamW at 3× with WSD reached GPT-2's loss (modded-nanogpt)
     o = c.optimizer
-    o.name = "muon"  # the CPU study's best arm at both rates tried against AdamW (bench/RESULTS.md)
+    o.name = "muon"  # the best arm of the CPU study, on every seed (bench/RESULTS.md)
     # 3× llm.c's peak, as build-nanogpt's 3× run (HellaSwag 0.3155 against 0.3037 at 10B) and as the study's
     # sweep chose for Muon (3× its config's AdamW peak); Muon's update is scaled to AdamW's RMS, so the rate
     # and the weight decay carry over (optimizer.py).
