@@ -1,6 +1,6 @@
 """ANDREA-120M on 10B tokens of FineWeb-Edu: the recipe for GPT-2 124M's HellaSwag (acc_norm 0.2955)
 on one accelerator. llm.c's GPT-2 124M run: 19,073 steps of 524,288 tokens, learning rate 6e-4
-after 700 warmup steps, cosine to a tenth, weight decay 0.1 (README, "The 10B-token recipe"; per chip, docs/chips.md and docs/data.md)."""
+after 700 warmup steps, cosine to a tenth, weight decay 0.1 (README, "The recipes"; per chip, docs/chips.md and docs/data.md)."""
 
 from configs import andrea120m
 

@@ -1,6 +1,6 @@
 """ANDREA-120M on 5B tokens of FineWeb-Edu with Muon and a warmup-stable-decay schedule: the recipe for GPT-2
 124M's HellaSwag (acc_norm 0.2955) in fewer tokens than llm.c's (configs/andrea120m_fineweb10b.py, kept for
-comparison). Why each setting, and what it is expected to take on each chip: README, "The 10B-token recipe",
+comparison). Why each setting, and what it is expected to take on each chip: README, "The recipes",
 and bench/RESULTS.md's optimizer study. Estimates, not yet a result: it has not been run on an accelerator."""
 
 from configs import andrea120m_fineweb10b
