@@ -188,6 +188,8 @@ def test_a_new_run_that_stops_before_its_first_step_leaves_no_workdir(tmp_path):
 
 @pytest.mark.parametrize("arguments, message", [
     (["--config", "configs/tiny.py", "--config.stepz=5"], 'no key \'stepz\'; Did you mean "steps"'),
+    (["--config", "configs/tiny.py", "--config.optimzer.learning_rate=1e-3"],
+     'no key \'optimzer\'; Did you mean "optimizer" instead of "optimzer"?; every key is in andrea_jax/config.py'),
     (["--config", "configs/nope.py"], "the --config file could not be loaded ([Errno 2] No such file"),
     (["--config", "configs/tiny.py", "--config.steps=abc"], "flag --config.steps=abc: invalid literal"),
     (["--config", "configs/tiny.py", "--stepz=5"], "Unknown command line flag 'stepz'"),

@@ -51,19 +51,20 @@ def one_line_flag_errors():
         yield
         return
     except flags.Error as error:  # a bad value, a missing required flag, an unknown flag
-        message = " ".join(str(error).split())
-    except AttributeError as error:  # ml_collections: a key the config does not have
-        inner = error.args[0] if error.args else error
-        text = inner.args[0] if isinstance(inner, KeyError) and inner.args else str(inner)
-        key, _, hint = str(text).partition("\n")
-        message = f"the config has no key {key.strip()}" + (f"; {hint.strip()}" if hint else
-                                                              "; see the config file for its keys")
-    except Exception as error:  # ml_collections: the config file could not be read or run
-        cause = error.__cause__ or error
-        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-        message = (f"the --config file could not be loaded ({lines[-1] if lines else type(cause).__name__}); "
-                   f"pass a config file such as configs/tiny.py")
-    print(f"error: {message}; see --helpshort", file=sys.stderr, flush=True)
+        message = " ".join(str(error).split()) + "; see --helpshort"
+    except Exception as error:
+        # ml_collections: a key the config does not have (an AttributeError around a KeyError; a misspelt group,
+        # --config.optimzer.x, a KeyError as the cause of another error), or a config file it could not read or run
+        cause = error.args[0] if isinstance(error, AttributeError) and error.args else error.__cause__ or error
+        if isinstance(cause, KeyError):
+            key, _, hint = str(cause.args[0] if cause.args else cause).partition("\n")
+            message = (f"the config has no key {key.strip()}" + (f"; {hint.strip()}" if hint else "") +
+                       "; every key is in andrea_jax/config.py, with its default and meaning")
+        else:
+            lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+            message = (f"the --config file could not be loaded ({lines[-1] if lines else type(cause).__name__}); "
+                       f"pass a config file such as configs/tiny.py")
+    print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
