@@ -290,9 +290,6 @@ def test_muon_with_wsd_logs_the_same_losses_on_one_device_and_on_eight(tmp_path,
     np.testing.assert_allclose([v for _, v in b], [v for _, v in a], rtol=1e-5)
     np.testing.assert_allclose([v for _, v in losses(workdir, "val_loss")], [v for _, v in losses(one, "val_loss")],
                                rtol=1e-5)
-    adamw = str(tmp_path / "adamw")  # Muon is not AdamW under another name: the same run trains otherwise
-    train_loop.train(loop_config(tmp_path, **{"optimizer.decay": "wsd", "optimizer.cooldown_steps": 2}), adamw)
-    assert abs(losses(adamw)[-1][1] - a[-1][1]) > 1e-3
 
 
 def test_a_wsd_run_resumed_with_more_steps_at_its_peak_moves_its_cooldown(tmp_path, muon_one_device_run, capsys):

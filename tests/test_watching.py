@@ -88,7 +88,7 @@ def test_an_unreachable_wandb_is_one_warning_and_the_run_trains_as_without_it(tm
         monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
         monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{unused.getsockname()[1]}")
         workdir = str(tmp_path / "run")
-        train_loop.train(loop_config(tmp_path, **{"wandb.project": "andrea-tests", "wandb.timeout_seconds": 5}),
+        train_loop.train(loop_config(tmp_path, **{"wandb.project": "andrea-tests", "wandb.timeout_seconds": 2}),
                          workdir, devices=jax.devices()[:1])
     err = capfd.readouterr().err
     warnings = [line for line in err.splitlines() if line.startswith("warning: W&B")]
