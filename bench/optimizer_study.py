@@ -91,6 +91,7 @@ def moved_end(size: str, seed: int, wsd_arm: dict, args) -> list[tuple[int, floa
         for name in os.listdir(checkpoints):
             if name.isdigit() and int(name) > max(kept):
                 shutil.rmtree(os.path.join(checkpoints, name))
+        metrics.truncate_after(workdir, max(kept))  # as a run stopped there has them
     return run(config, workdir)
 
 
