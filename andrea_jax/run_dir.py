@@ -95,10 +95,14 @@ def hold(workdir: str) -> int:
         tempfile.TemporaryFile(dir=workdir).close()
         descriptor = os.open(os.path.join(workdir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as error:
-        if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if error.errno == errno.ENOSPC:  # a full disk has its own one line (runtime/atomic.py)
             raise
-        raise ConfigError(f"--workdir {workdir} cannot be written to ({error.strerror}); make it (or the directory "
-                          f"it goes in) writable, or use another --workdir") from None
+        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise ConfigError(f"--workdir {workdir} cannot be written to ({error.strerror}); make it (or the "
+                              f"directory it goes in) writable, or use another --workdir") from None
+        # A path through a file (NotADirectoryError), a file system that refuses new directories, ...
+        raise ConfigError(f"--workdir {workdir} cannot be made ({error.strerror}); every directory on its path must "
+                          f"be one that can hold it; use another --workdir") from None
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:

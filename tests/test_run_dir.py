@@ -172,3 +172,11 @@ def test_a_holder_that_died_does_not_block_the_next_run(tmp_path):
     holder.kill()  # kill -9: no chance to clean up
     holder.wait()
     os.close(run_dir.hold(workdir))
+
+
+def test_a_workdir_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("a file, not a directory")
+    with pytest.raises(ConfigError, match=r"^--workdir .*notes.txt/run cannot be made \(Not a directory\); every "
+                                          r"directory on its path must be one that can hold it; use another --workdir$"):
+        run_dir.hold(str(tmp_path / "notes.txt" / "run"))
+    assert (tmp_path / "notes.txt").read_text() == "a file, not a directory"
