@@ -372,3 +372,17 @@ def test_a_hub_dataset_that_moved_since_its_cache_began_is_refused(tmp_path, mon
         pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
     commit[0] = "c0ffee"  # back where it began: the build goes on
     assert pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train").num_tokens == 6000
+
+
+def test_a_resume_that_would_plan_other_eras_says_so_once(tmp_path, capsys):
+    """The leader's preparation says it; the encoder process, which opens the same cache, does not again."""
+    config, workdir = era_config(tmp_path), str(tmp_path / "run")
+    prepared_eras(config, workdir)
+    assert "were planned for" not in capsys.readouterr().out
+    config.steps = 12  # a resume with more steps: the run keeps the eras it planned
+    prepared = prepared_eras(config, workdir)
+    out = capsys.readouterr().out
+    assert out.count("were planned for") == 1 and f"planned for {prepared.train.planned_tokens:,} tokens" in out
+    splits = pipeline.open_splits(config)
+    pipeline.era_cache(config, workdir, splits, prepared.tokenizer)  # what the encoder process opens
+    assert "were planned for" not in capsys.readouterr().out

@@ -80,9 +80,6 @@ def era_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources.S
     """The eras of a streamed training split: its run's (the workdir's record), keyed like a token cache."""
     size, record_path = eras.era_tokens(config.data, int(config.seq_len)), os.path.join(workdir, eras.RECORD_FILE)
     record = eras.start_record(record_path, splits.identity, size, splits.train_tokens)
-    if record["planned_tokens"] != splits.train_tokens:
-        print(f"the run's eras were planned for {record['planned_tokens']:,} tokens of the stream, and it keeps "
-              f"them (these steps would plan {splits.train_tokens:,}; more steps read them again)", flush=True)
     identity = {**splits.identity, "run": record["run"], "era_tokens": size}
     directory = token_cache.cache_directory(sources.cache_dir_of(config.data), identity, tokenizer.sha256)
     return eras.EraCache(directory, record_path, size, int(record["planned_tokens"]))
@@ -203,6 +200,9 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepa
         if not any(splits.train.read(0, _READ_DOCUMENTS)):
             raise DataError(token_cache.no_text("train"))
         train = era_cache(config, workdir, splits, tokenizer)
+        if train.planned_tokens != splits.train_tokens:  # said here, not again by the encoder process
+            print(f"the run's eras were planned for {train.planned_tokens:,} tokens of the stream, and it keeps "
+                  f"them (these steps would plan {splits.train_tokens:,}; more steps read them again)", flush=True)
         eras.check_space(train, int(config.data.keep_eras))
     else:
         train = token_split(config, splits, tokenizer, "train")
