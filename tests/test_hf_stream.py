@@ -590,3 +590,25 @@ def test_a_cache_the_disk_cannot_hold_stops_before_the_tokenizer_streams(tmp_pat
                                   f"there; point data.cache_dir at a larger disk, free space, or lower "
                                   f"data.stream_tokens")
     assert no_data_left(tmp_path)
+
+
+def test_the_hub_commit_lookup_is_retried_as_a_read(monkeypatch, capsys):
+    """dataset_revision asks the hub, which may drop the connection as a stream's read may: the same retries."""
+    answers = iter([ConnectionResetError(104, "Connection reset by peer"), TimeoutError("read timed out"), "c0ffee"])
+
+    def lookup():
+        answer = next(answers)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    delays = []
+    monkeypatch.setattr(sources.time, "sleep", delays.append)
+    documents = sources.StreamedDocuments(lambda: iter([]), transient=hf_stream.transient, described="the hub",
+                                          revision=lookup)
+    assert documents.revision() == "c0ffee" and delays == [2, 4]
+    assert capsys.readouterr().out.count("the hub failed (") == 2
+    refused = sources.StreamedDocuments(lambda: iter([]), transient=hf_stream.transient,
+                                        revision=lambda: (_ for _ in ()).throw(ValueError("not a network error")))
+    with pytest.raises(ValueError, match="not a network error"):  # what no retry mends is not retried
+        refused.revision()

@@ -20,7 +20,7 @@ import re
 import socket
 import sys
 import time
-from typing import Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import ml_collections
 import tensorflow_datasets as tfds
@@ -84,7 +84,7 @@ class StreamedDocuments:
                  transient: Callable[[BaseException], bool] = lambda error: False,
                  described: str = "the stream", revision: Callable[[], str | None] = lambda: None) -> None:
         self.open_texts, self.limit, self.transient, self.described = open_texts, limit, transient, described
-        self.revision = revision  # the commit of the dataset the stream reads, where it has one
+        self._revision = revision
         self._texts: Iterator[str] | None = None
         self._position = 0
         self._states: dict[int, dict] = {}
@@ -104,10 +104,21 @@ class StreamedDocuments:
         if state is not None:  # a retry goes back here rather than to the start
             self._states[position] = state
 
+    def revision(self) -> str | None:
+        """The commit of the dataset the stream reads, where it has one; asked for with a read's retries."""
+        return self._retried(self._revision)
+
     def read(self, start: int, stop: int) -> list[str]:
+        def from_the_last_known_state() -> None:
+            known = max((position for position in self._states if position <= start), default=0)
+            self.resume(known, self._states.get(known))
+
+        return self._retried(lambda: self._read(start, stop), from_the_last_known_state)
+
+    def _retried(self, call: Callable[[], Any], after_failure: Callable[[], None] = lambda: None) -> Any:
         for delay in (*self.RETRY_DELAYS_S, None):
             try:
-                return self._read(start, stop)
+                return call()
             except Exception as error:
                 if not self.transient(error):
                     raise
@@ -118,8 +129,7 @@ class StreamedDocuments:
                                     f"build goes on from its last finished chunk)") from None
                 print(f"{self.described} failed ({reason}); trying again in {delay} s", flush=True)
                 time.sleep(delay)
-                known = max((position for position in self._states if position <= start), default=0)
-                self.resume(known, self._states.get(known))
+                after_failure()
 
     def _read(self, start: int, stop: int) -> list[str]:
         if self._texts is None or start < self._position:
