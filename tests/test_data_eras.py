@@ -386,3 +386,24 @@ def test_a_resume_that_would_plan_other_eras_says_so_once(tmp_path, capsys):
     splits = pipeline.open_splits(config)
     pipeline.era_cache(config, workdir, splits, prepared.tokenizer)  # what the encoder process opens
     assert "were planned for" not in capsys.readouterr().out
+
+
+def test_eras_that_cannot_be_deleted_stop_the_run_in_one_line(tmp_path, monkeypatch):
+    """A directory that turned read-only (as root, only a monkeypatched delete can show it): one DataError that
+    names the fix, every era still there."""
+    config = era_config(tmp_path)
+    prepared = prepared_eras(config, str(tmp_path / "run"))
+    encode_all(config, prepared)
+    on_disk = prepared.train.on_disk()
+
+    def refused(cache, era):
+        raise PermissionError(13, "Permission denied", cache.paths(era)[1])
+
+    monkeypatch.setattr(eras.EraCache, "delete", refused)
+    reader = eras.Reader(prepared.train, config.seed, config.seq_len, keep_eras=2, delete_passed=True)
+    with pytest.raises(eras.DataError, match=r"^the passed eras in .* cannot be deleted \(Permission denied\), so "
+                                             r"keep_eras=2 cannot bound them; make the directory writable .* run the "
+                                             r"same command to resume from the last checkpoint$"):
+        for step in range(config.steps):
+            reader.batch(step, config.batch_size)
+    assert prepared.train.on_disk() == on_disk

@@ -339,7 +339,13 @@ class Reader:
         self._position = (first, last)
         if self.delete_passed:
             atomic.write(self.cache.position_path, json.dumps({"sequence": first, "needed": last}))
-            drop_outside(self.cache, layout, first, max(self.keep_eras, last - first + 1))
+            try:
+                drop_outside(self.cache, layout, first, max(self.keep_eras, last - first + 1))
+            except OSError as error:  # the encoder would wait for room that never comes: stop, at the checkpoints
+                raise DataError(f"the passed eras in {self.cache.directory} cannot be deleted ({error.strerror}), "
+                                f"so keep_eras={self.keep_eras} cannot bound them; make the directory writable "
+                                f"(or --config.data.keep_eras=0 to keep every era) and run the same command to "
+                                f"resume from the last checkpoint") from None
         window = {sequence % layout.num_eras for sequence in range(first, max(first + self.keep_eras, last + 1))}
         for era in set(self._open) - window:
             del self._open[era]
