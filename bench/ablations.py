@@ -2,13 +2,15 @@
 
     python bench/ablations.py                 # the full study: 300 steps a variant, about 20 minutes on 2 CPU cores
     python bench/ablations.py --steps 50 --only baseline,post   # a quick look
+    python bench/ablations.py --source text:PATH/input.txt      # offline: a copy of the shakespeare_char text
 
 Every variant is the shakespeare_char recipe (4 layers, d_model 128, 4 heads, char
 tokens, batch 12 × 64, AdamW at 1e-3 with cosine decay) with one switch changed,
 trained on the same batches from the same seed for the same number of steps with the
 project's own train step (diagnostics on). The deep variants have 24 thin layers
-(d_model 64) and scan over depth. Writes bench/ABLATIONS.md (the table), bench/ablations.png
-(loss curves) and bench/ablations.json (every curve and per-block figure).
+(d_model 64) and scan over depth. Writes ABLATIONS.md (the table, with the command as run), ablations.png
+(loss curves) and ablations.json (every curve and per-block figure) into runs/ablations; `--out bench`
+replaces the committed bench/ABLATIONS.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -33,7 +36,7 @@ import numpy as np  # noqa: E402
 from andrea_jax import diagnostics, model, optimizer, sharding, train_step  # noqa: E402
 from andrea_jax.tools import logit_lens, parameter_table
 from andrea_jax.config import base_config, validate  # noqa: E402
-from andrea_jax.data import batcher, pipeline  # noqa: E402
+from andrea_jax.data import DataError, batcher, pipeline  # noqa: E402
 from configs import shakespeare_char  # noqa: E402
 
 
@@ -183,8 +186,7 @@ def write_markdown(path: str, rows: list[dict], results: dict, init: dict, args,
                            capture_output=True, text=True).stdout.strip()
     lines = [
         "# Ablations", "",
-        f"Command: `python bench/ablations.py --steps {args.steps} --eval_every {args.eval_every} "
-        f"--eval_batches {args.eval_batches}`  ",
+        f"Command: `python bench/ablations.py {' '.join(shlex.quote(argument) for argument in sys.argv[1:])}`  ",
         f"Date: {datetime.date.today()}; machine: {platform.machine()}, {os.cpu_count()} CPU cores "
         f"({jax.devices()[0].device_kind}, shared with other jobs), jax {jax.__version__}; "
         f"git commit {commit}{' (+ local changes)' if dirty else ''}; whole study {seconds / 60:.1f} min.", "",
@@ -252,7 +254,9 @@ def main() -> None:
     parser.add_argument("--eval_every", type=int, default=50)
     parser.add_argument("--eval_batches", type=int, default=10)
     parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
-    parser.add_argument("--out", default=HERE, help="directory for ABLATIONS.md, ablations.png, ablations.json")
+    parser.add_argument("--out", default=os.path.join(HERE, "..", "runs", "ablations"),
+                        help="directory for ABLATIONS.md, ablations.png, ablations.json (default: runs/ablations; "
+                             "--out bench replaces the committed study)")
     parser.add_argument("--workdir", default="", help="where the tokenizer goes (default: a temporary directory)")
     parser.add_argument("--source", default="", help="data.source (default: the shakespeare_char recipe's "
                                                        "download; offline, text:PATH to a copy of its input.txt)")
@@ -265,7 +269,10 @@ def main() -> None:
     workdir = args.workdir or tempfile.mkdtemp(prefix="andrea_ablations_")
     base = study_config(args.steps, {}, {}, args.source)
     validate(base)
-    prepared = pipeline.prepare(base, workdir)
+    try:
+        prepared = pipeline.prepare(base, workdir)
+    except DataError as error:  # offline, most often: the fix in this script's own flag
+        parser.exit(2, f"error: {str(error).replace('--config.data.source=', '--source ')}\n")
     results, rows = {}, []
     for name in names:
         described, model_overrides, optimizer_overrides, _ = VARIANTS[name]
