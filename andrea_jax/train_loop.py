@@ -285,7 +285,7 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
         interval_losses.extend(np.float32(record["loss"]) for _, record in values)
         return values
 
-    # The periodic actions: each takes (step done, state) and returns the record it logs.
+    # The periodic actions: each takes (step done, state) and returns the record it logs ({}: none).
     def train_metrics(done: int, state: dict) -> dict:
         latest = drain()[-1][1]
         tokens_per_second = interval[1] * config.batch_size * config.seq_len / (time.perf_counter() - interval[0])
@@ -319,19 +319,22 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
         progress.write(f"step {done}: hellaswag acc {scored['acc']:.4f} ± {scored['acc_stderr']:.4f}, acc_norm "
                        f"{scored['acc_norm']:.4f} ± {scored['acc_norm_stderr']:.4f} ({len(hellaswag_rows.labels)} "
                        f"examples)")
-        record = {f"hellaswag/{key}": scored[key] for key in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
+        return {f"hellaswag/{key}": scored[key] for key in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
+
+    def first_at_target(done: int, state: dict) -> dict:
+        """Right after a HellaSwag score: the first at or above GPT-2 124M's, said once and recorded apart."""
         nonlocal target_reached
-        if not target_reached and scored["acc_norm"] >= hellaswag.GPT2_124M_HELLASWAG:
-            target_reached, tokens, hours = True, done * config.batch_size * config.seq_len, train_seconds() / 3600
-            progress.write(f"step {done}: HellaSwag acc_norm reached GPT-2 124M's {hellaswag.GPT2_124M_HELLASWAG} "
-                           f"for the first time, after {tokens:,} tokens and {hours:.2f} hours of training")
-            record.update({TARGET_KEY: hellaswag.GPT2_124M_HELLASWAG, "target/tokens": tokens, "target/hours": hours})
-        return record
+        if target_reached or last_record["hellaswag/acc_norm"] < hellaswag.GPT2_124M_HELLASWAG:
+            return {}
+        target_reached, tokens, hours = True, done * config.batch_size * config.seq_len, train_seconds() / 3600
+        progress.write(f"step {done}: HellaSwag acc_norm reached GPT-2 124M's {hellaswag.GPT2_124M_HELLASWAG} "
+                       f"for the first time, after {tokens:,} tokens and {hours:.2f} hours of training")
+        return {TARGET_KEY: hellaswag.GPT2_124M_HELLASWAG, "target/tokens": tokens, "target/hours": hours}
 
     actions = [(config.log_every, train_metrics), (config.eval_every, val_loss)]
     if hellaswag_rows is not None:
         hellaswag_step = hellaswag.make_step(config, mesh)  # per-token validation losses, compiled when first run
-        actions.append((config.hellaswag.every, hellaswag_scores))
+        actions += [(config.hellaswag.every, hellaswag_scores), (config.hellaswag.every, first_at_target)]
 
     def save(done: int, state: dict) -> None:
         drain()  # never save a state that followed a non-finite step
@@ -352,8 +355,9 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
             for every, action in actions:
                 if done % every == 0 or done == config.steps:
                     record = action(done, state)
-                    writer.write(done, record)
-                    last_record.update(record)
+                    if record:  # an action may have nothing to say (first_at_target, mostly)
+                        writer.write(done, record)
+                        last_record.update(record)
                     interval[:] = time.perf_counter(), 0
             if received and not announced:
                 announced = True
