@@ -1,6 +1,7 @@
 """Watching a run: its records mirrored to Weights & Biases (wandb_mirror.py) and a profiler trace (trace.py)."""
 
 import glob
+import importlib.util
 import json
 import os
 import socket
@@ -12,7 +13,8 @@ import pytest
 from andrea_jax import train_loop
 from tests.test_train_loop import loop_config, losses
 
-wandb = pytest.importorskip("wandb", reason="wandb is not installed: pip install wandb")
+needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
+                                 reason="wandb is not installed: pip install wandb")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,7 @@ def wandb_history(workdir):
     return runs, config
 
 
+@needs_wandb
 def test_an_offline_wandb_run_holds_the_logged_losses_and_a_resume_continues_it(tmp_path, monkeypatch, plain_run):
     monkeypatch.setenv("WANDB_MODE", "offline")
     workdir = str(tmp_path / "run")
@@ -81,6 +84,7 @@ def test_an_offline_wandb_run_holds_the_logged_losses_and_a_resume_continues_it(
     assert [row["_step"] for row in runs[run_id] if "loss" in row] == [2, 4, 6, 8, 10, 12]
 
 
+@needs_wandb
 def test_an_unreachable_wandb_is_one_warning_and_the_run_trains_as_without_it(tmp_path, monkeypatch, capfd, plain_run):
     with socket.socket() as unused:  # bound, never listening: every request is refused
         unused.bind(("127.0.0.1", 0))
