@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -81,11 +82,13 @@ def bench_case(name: str, args, matmul_reps: dict) -> list[dict]:
     contenders, compile_s, dtype_of = {}, {}, {}
     jax_steps = []
 
-    for dtype in dtypes:
+    optimizers = args.optimizers.split(",")
+    for dtype, optimizer_name in itertools.product(dtypes, optimizers):
         config = harness.make_case(name, dtype=dtype)
+        config.optimizer.name = optimizer_name
         jax_step = harness.JaxStep(config)
         jax_steps.append(jax_step)
-        label = f"jax {dtype}"
+        label = f"jax {dtype}" + (f" {optimizer_name}" if optimizers != ["adamw"] else "")
         compile_s[label] = jax_step.compile()
         k = harness.steps_per_rep(jax_step.run(1), args.rep_seconds)
         contenders[label] = (lambda jax_step=jax_step, k=k: jax_step.run(k))
@@ -159,6 +162,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="",
                         help="compute dtypes to time, e.g. float32,bfloat16 (default: both on a CPU, "
                              "the case's own on an accelerator); PyTorch runs bfloat16 under autocast")
+    parser.add_argument("--optimizers", default="adamw",
+                        help="optimizers to time side by side, e.g. adamw,muon (default adamw)")
     parser.add_argument("--json", help="also write every sample here")
     args = parser.parse_args()
     if args.threads == 1:  # must be set before jax is imported
