@@ -7,12 +7,14 @@ log, evaluate and checkpoint. The host only waits for the device to log.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import itertools
 import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from functools import partial
 from typing import Any, Iterator
@@ -117,8 +119,47 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
     A workdir the run created and stopped in before its first step is removed again: the disk is left
     as the run found it.
     """
-    with contextlib.ExitStack() as held:
-        return _train(config, workdir, devices, held)
+    with _StartUpInterrupt() as start_up, contextlib.ExitStack() as held:
+        return _train(config, workdir, devices, held, start_up)
+
+
+class StoppedBeforeFirstStep(UserError):
+    """Ctrl-C before the first step: the run stopped at once, its start-up undone."""
+
+
+class _StartUpInterrupt:
+    """Until the first step, Ctrl-C stops the run at once, in one line (`StoppedBeforeFirstStep`), after
+    the same clean-up as any failure (a workdir the run created is removed again).
+
+    Python raises KeyboardInterrupt between any two bytecodes, also in the garbage collector's callbacks
+    (JAX's among them, while a step compiles), which print it as ignored and drop it: the run went on
+    training. A dropped one is delivered to the main thread again, a moment later from a thread of its own so
+    that it lands after the callback (were it to land in one again, it would be dropped and delivered again)."""
+
+    def __enter__(self) -> "_StartUpInterrupt":
+        self.previous_hook, self.started = sys.unraisablehook, False
+        sys.unraisablehook = self._dropped
+        return self
+
+    def _dropped(self, unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            later = threading.Timer(0.05, _thread.interrupt_main)
+            later.daemon = True
+            later.start()
+        else:
+            self.previous_hook(unraisable)
+
+    def first_step(self) -> None:
+        """From here Ctrl-C is the loop's: finish the step, save, stop."""
+        self.started = True
+        sys.unraisablehook = self.previous_hook
+
+    def __exit__(self, failure: type | None, *_) -> None:
+        sys.unraisablehook = self.previous_hook
+        if failure is KeyboardInterrupt and not self.started:
+            raise StoppedBeforeFirstStep(
+                "stopped by Ctrl-C before the first step: nothing was trained or left half-written; run the same "
+                "command to start again") from None
 
 
 def _remove_if_unstarted(workdir: str, failure: type | None, *_) -> None:
@@ -129,7 +170,8 @@ def _remove_if_unstarted(workdir: str, failure: type | None, *_) -> None:
             shutil.rmtree(workdir)
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None, held: contextlib.ExitStack) -> dict:
+def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None, held: contextlib.ExitStack,
+           start_up: _StartUpInterrupt) -> dict:
     leader = jax.process_index() == 0
     validate(config)
     mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation
@@ -196,6 +238,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         reader, make_batch = _batches(config, prepared, encoder)
         step_trace = trace.StepTrace(workdir, config)
         held.callback(step_trace.close)
+        start_up.first_step()
         return _loop(steps, state, start_step, carried_losses, carried_seconds, target_reached, prepared, make_batch,
                      reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace)
 

@@ -88,3 +88,16 @@ def test_a_read_only_workdir_is_one_line_and_exit_status_2(tmp_path):
             os.chmod(directory, 0o755)
     assert os.listdir(empty) == [] and not os.path.exists(tmp_path / "cache")
     assert {path: path.read_bytes() for path in started.iterdir()} == before
+
+
+def test_a_command_on_a_host_without_a_tpu_does_not_start_libtpu():
+    """With libtpu installed (for the TPU compile check) and no platform asked for, a CPU command's stderr
+    holds none of libtpu's start-up errors."""
+    pytest.importorskip("libtpu", reason="libtpu is not installed: it has nothing to start")
+    env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
+    result = subprocess.run(
+        [sys.executable, "-c", "import jax\nfrom andrea_jax.runtime import cli\n"
+         "cli.run(lambda: print(jax.devices()[0].platform), join_cluster=False)"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert result.returncode == 0 and result.stdout.split() == ["cpu"], result.stderr[-2000:]
+    assert "TPU" not in result.stderr and "E0000" not in result.stderr, result.stderr[-2000:]

@@ -3,10 +3,12 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -344,3 +346,46 @@ def test_the_first_hellaswag_score_at_gpt2_s_is_one_line_and_one_record(tmp_path
 def metrics_records(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def test_ctrl_c_dropped_by_a_garbage_collector_callback_still_stops_the_start_up():
+    """Python drops an exception raised in a gc callback (as it did JAX's, while a step compiled, and the run
+    went on): the start-up delivers it again, and it stops the run in one line."""
+    import gc
+
+    def interrupted(phase, info):
+        gc.callbacks.remove(interrupted)
+        raise KeyboardInterrupt
+
+    with pytest.raises(train_loop.StoppedBeforeFirstStep, match="stopped by Ctrl-C before the first step"):
+        with train_loop._StartUpInterrupt():
+            gc.callbacks.append(interrupted)
+            gc.collect()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the interrupt is raised between these bytecodes
+                pass
+    # From the first step on, a KeyboardInterrupt is the loop's again.
+    with pytest.raises(KeyboardInterrupt):
+        with train_loop._StartUpInterrupt() as start_up:
+            start_up.first_step()
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_the_step_compiles_stops_at_once_in_one_line_and_removes_the_new_workdir(tmp_path):
+    workdir = tmp_path / "w"
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--config", "configs/tiny.py", "--workdir", str(workdir),
+         f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.data.source=text:" +
+         write_corpus(str(tmp_path / "corpus")), "--config.data.tokenizer=byte", "--config.model.vocab_size=0",
+         "--config.steps=5", "--config.batch_size=2", "--config.seq_len=64"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONUNBUFFERED="1"))
+    for line in process.stdout:  # the mesh line comes just before the step compiles
+        if line.startswith("mesh "):
+            break
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 2, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: stopped by Ctrl-C before the first step"), err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "step 1" not in out and not workdir.exists()

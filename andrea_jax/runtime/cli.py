@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import importlib.util
+import os
 import sys
 from typing import Callable
 
@@ -24,6 +27,7 @@ def run(main: Callable[[], None], join_cluster: bool = True, verbosity: int = lo
     from andrea_jax.runtime import atomic, distributed, host_memory
 
     host_memory.keep_freed_memory()
+    _leave_out_an_absent_tpu()
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(verbosity)  # library INFO chatter hides the progress bar and the results
     try:
@@ -38,6 +42,21 @@ def run(main: Callable[[], None], join_cluster: bool = True, verbosity: int = lo
             raise
         print(f"error: {known}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def _leave_out_an_absent_tpu() -> None:
+    """libtpu (installed for the TPU compile check) starts whenever JAX picks the platforms itself, and on a
+    host without a TPU prints half a dozen lines of start-up errors. Where no platform was asked for, the
+    host has no TPU chip and no other accelerator's plugin is installed, the CPU is all there is: ask for it."""
+    if (os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_FORCE_TPU_INIT")
+            or importlib.util.find_spec("libtpu") is None
+            or importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")):
+        return
+    import jax
+    from jax._src import hardware_utils  # the check JAX's own TPU start-up makes
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+        jax.config.update("jax_platforms", "cpu")
 
 
 @contextlib.contextmanager
