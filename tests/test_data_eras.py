@@ -407,3 +407,30 @@ def test_eras_that_cannot_be_deleted_stop_the_run_in_one_line(tmp_path, monkeypa
         for step in range(config.steps):
             reader.batch(step, config.batch_size)
     assert prepared.train.on_disk() == on_disk
+
+
+@pytest.mark.parametrize("damage, found", [
+    (lambda path: os.truncate(path, os.path.getsize(path) - 2), r"\(384 bytes of tokens where its manifest says 386\)"),
+    (lambda path: open(path, "r+b").write(b"\x07\x00"), r"\(tokens that are not those its manifest's checksum describes\)"),
+])
+def test_an_era_changed_after_it_was_encoded_stops_in_one_line_and_is_encoded_again_once_its_manifest_goes(
+        tmp_path, damage, found):
+    config = era_config(tmp_path)
+    prepared = prepared_eras(config, str(tmp_path / "run"))
+    encode_all(config, prepared)
+    cache = prepared.train
+    whole = era_tokens_of(cache)
+    tokens_path, manifest_path = cache.paths(0)
+    damage(tokens_path)
+    ended = subprocess.Popen([sys.executable, "-c", ""])  # an encoder that is gone: a reader that waits fails
+    ended.wait()
+    reader = eras.Reader(cache, config.seed, config.seq_len, keep_eras=0, delete_passed=False, encoder=ended)
+    with pytest.raises(eras.DataError, match=rf"^era 0 of the training split in .* was changed after it was encoded "
+                                             rf"{found}; delete train\.era0+\.json there and run the same command to "
+                                             rf"resume: the era is encoded again$"):
+        for step in range(config.steps):
+            reader.batch(step, config.batch_size)
+    # What the message says to do: the encoder builds the era again, as it was.
+    os.remove(manifest_path)
+    encode_all(config, prepared)
+    assert [tokens.tolist() for tokens in era_tokens_of(cache)] == [tokens.tolist() for tokens in whole]

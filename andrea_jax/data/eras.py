@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import uuid
+import zlib
 
 import ml_collections
 import numpy as np
@@ -98,6 +99,31 @@ class EraCache:
             pass
         return None
 
+    def verified(self, era: int) -> np.ndarray | None:
+        """`load`, for reading: None until the era's manifest is written; an era whose tokens are not
+        those its manifest describes (the file shortened, removed or overwritten since) stops the run in
+        one line."""
+        tokens_path, manifest_path = self.paths(era)
+        try:
+            manifest = self.manifest(era)
+        except FileNotFoundError:
+            return None  # not encoded yet (the manifest is written after the tokens)
+        except (OSError, ValueError):
+            manifest = None
+        tokens = self.load(era)
+        if manifest is None:
+            found = "its manifest unreadable"
+        elif tokens is None:
+            size = os.path.getsize(tokens_path) if os.path.exists(tokens_path) else 0
+            found = f"{size:,} bytes of tokens where its manifest says {int(manifest['num_tokens']) * TOKEN_BYTES:,}"
+        elif "crc32" in manifest and _crc32(tokens) != manifest["crc32"]:
+            found = "tokens that are not those its manifest's checksum describes"
+        else:
+            return tokens
+        raise DataError(f"era {era} of the training split in {self.directory} was changed after it was encoded "
+                        f"({found}); delete {os.path.basename(manifest_path)} there and run the same command "
+                        f"to resume: the era is encoded again")
+
     def on_disk(self) -> list[int]:
         names = glob.glob(os.path.join(self.directory, "train.era*.json"))
         return sorted(int(re.search(r"era(\d+)\.json$", name).group(1)) for name in names)
@@ -123,6 +149,13 @@ class EraCache:
     def manifest(self, era: int) -> dict:
         with open(self.paths(era)[1], encoding="utf-8") as f:
             return json.load(f)
+
+
+def _crc32(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+    crc = 0
+    for start in range(0, tokens.size, chunk):
+        crc = zlib.crc32(tokens[start:start + chunk], crc)
+    return crc
 
 
 def era_range(layout: order.Layout, batch_size: int, first_step: int, last_step: int) -> tuple[int, int]:
@@ -153,7 +186,7 @@ def build_era(cache: EraCache, era: int, documents: StreamedDocuments, tokenizer
     position, skip = int(start["document"]), int(start["token"])
     _same_commit(cache, documents)
     documents.resume(state_position, state)
-    written = num_bytes = 0
+    written = num_bytes = crc32 = 0
     next_start = None
     per_read = 16
     with atomic.writing(tokens_path), open(temporary, "wb") as out, \
@@ -169,7 +202,9 @@ def build_era(cache: EraCache, era: int, documents: StreamedDocuments, tokenizer
             pending = reader.submit(documents.read, position, position + per_read)  # read while this is encoded
             for index, ids in enumerate(_encode_documents(tokenizer, texts)):
                 taken = ids[skip:skip + length - written]
-                out.write(taken.astype(TOKEN_DTYPE).tobytes())
+                chunk = taken.astype(TOKEN_DTYPE).tobytes()
+                out.write(chunk)
+                crc32 = zlib.crc32(chunk, crc32)
                 written += taken.size
                 num_bytes += len(tokenizer.decode(taken.tolist()).encode("utf-8")) if skip or taken.size < ids.size \
                     else len(texts[index].encode("utf-8"))
@@ -189,7 +224,8 @@ def build_era(cache: EraCache, era: int, documents: StreamedDocuments, tokenizer
         return None, 0
     os.replace(temporary, tokens_path)
     seconds = time.perf_counter() - started
-    manifest = {"era": era, "num_tokens": written, "num_bytes": num_bytes, "build_seconds": round(seconds, 3),
+    manifest = {"era": era, "num_tokens": written, "crc32": crc32, "num_bytes": num_bytes,
+                "build_seconds": round(seconds, 3),
                 "tokens_per_second": round(written / max(seconds, 1e-9)), "start": start}
     _record_start(cache, era + 1, next_start, final_tokens=None if next_start else era * cache.era_tokens + written)
     atomic.write(manifest_path, json.dumps(manifest, indent=1))
@@ -301,7 +337,7 @@ class Reader:
         if era in self._open:
             return self._open[era]
         started, said, final = time.perf_counter(), False, self._final
-        while (tokens := self.cache.load(era)) is None:
+        while (tokens := self.cache.verified(era)) is None:
             if self.layout() is not self._layout or self._final != final:
                 return None
             if self.encoder is not None and self.encoder.poll() is not None:
