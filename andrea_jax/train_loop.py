@@ -265,6 +265,7 @@ def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pi
         return None
     saved_steps = [int(name) for name in os.listdir(checkpoint.directory_of(workdir)) if name.isdigit()] \
         if os.path.isdir(checkpoint.directory_of(workdir)) else []
+    held.enter_context(eras.hold(prepared.train))
     with contextlib.suppress(FileNotFoundError):  # where an earlier run's steps were: the new one says anew
         os.remove(prepared.train.position_path)
     encoder = _Encoder(config, workdir, max(saved_steps, default=0))

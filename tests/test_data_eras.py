@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -434,3 +435,22 @@ def test_an_era_changed_after_it_was_encoded_stops_in_one_line_and_is_encoded_ag
     os.remove(manifest_path)
     encode_all(config, prepared)
     assert [tokens.tolist() for tokens in era_tokens_of(cache)] == [tokens.tolist() for tokens in whole]
+
+
+def test_a_workdir_copied_from_a_running_one_is_refused_in_one_line_and_runs_once_the_original_ends(tmp_path):
+    """The copy's eras.json names the original's eras: were both to run, each would delete what the other reads."""
+    from andrea_jax import train_loop
+
+    config = era_config(tmp_path, keep_eras=2)
+    config.model.update(dict(n_layer=1, d_model=32, n_head=2, mlp_dim=64, max_len=32))
+    original, copy = str(tmp_path / "original"), str(tmp_path / "copy")
+    prepared = prepared_eras(config, original)
+    shutil.copytree(original, copy)
+    with eras.hold(prepared.train):  # the original, running
+        with pytest.raises(eras.DataError, match=r"^the eras in .* are read by another run now \(a workdir copied "
+                                                 r"from a run names its eras\); give this one a data.cache_dir of its "
+                                                 r"own .* or wait for the other to end$"):
+            train_loop.train(config, copy, devices=jax.devices()[:1])
+        assert set(os.listdir(copy)) - {"run.lock"} == set(os.listdir(original))  # nothing else written
+    train_loop.train(config, copy, devices=jax.devices()[:1])
+    assert metrics.read(copy)[-1]["step"] == config.steps

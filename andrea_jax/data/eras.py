@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import IO
 import zlib
 
 import ml_collections
@@ -340,6 +341,10 @@ class Reader:
         while (tokens := self.cache.verified(era)) is None:
             if self.layout() is not self._layout or self._final != final:
                 return None
+            if self.encoder is not None and self.encoder.poll() == 0:
+                raise DataError(f"era {era} is not in {self.cache.directory}, and the era encoder has ended, its "
+                                f"work done: something else deleted it; run the same command to resume (it is encoded "
+                                f"again)")
             if self.encoder is not None and self.encoder.poll() is not None:
                 raise DataError(f"the era encoder stopped (exit code {self.encoder.returncode}, its message is above) "
                                 f"before era {era}; fix what it says and run the same command to resume")
@@ -424,12 +429,26 @@ def _main() -> None:
     tokenizer = tokenizers.load(os.path.join(arguments.workdir, pipeline.TOKENIZER_FILE))
     cache = pipeline.era_cache(config, arguments.workdir, splits, tokenizer)
     log = lambda line: print(line, flush=True)
-    os.makedirs(cache.directory, exist_ok=True)  # for the lock
-    with open(os.path.join(cache.directory, "train.lock"), "a") as lock:  # one encoder a cache
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        encode(cache, splits.train, tokenizer, lambda: cache.layout(int(config.seed), int(config.seq_len)),
-               int(config.batch_size), arguments.first_step, int(config.steps) - 1, int(config.data.keep_eras),
-               alive, log)
+    # The training run holds the cache (`hold`) for as long as its encoder runs.
+    encode(cache, splits.train, tokenizer, lambda: cache.layout(int(config.seed), int(config.seq_len)),
+           int(config.batch_size), arguments.first_step, int(config.steps) - 1, int(config.data.keep_eras),
+           alive, log)
+
+
+def hold(cache: EraCache) -> IO:
+    """The run's hold on its eras while it runs (close the file to let go): one run a cache. A workdir
+    copied from a run's, to try another setting from its checkpoint, names the same eras; were both to
+    run, each would delete what the other reads."""
+    os.makedirs(cache.directory, exist_ok=True)
+    lock = open(os.path.join(cache.directory, "train.lock"), "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise DataError(f"the eras in {cache.directory} are read by another run now (a workdir copied from a run "
+                        f"names its eras); give this one a data.cache_dir of its own (it encodes its eras there from "
+                        f"the step it resumes at) or wait for the other to end") from None
+    return lock
 
 
 def required_space(cache: EraCache, keep_eras: int) -> int:
