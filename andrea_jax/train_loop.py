@@ -32,6 +32,7 @@ from andrea_jax.tools import hellaswag, parameter_table
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, eras, order, pipeline
 from andrea_jax.data import tokenizer as tokenizers
+from andrea_jax.data.encoder import Encoder
 from andrea_jax.runtime.leader_first import leader_first
 
 
@@ -243,37 +244,21 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
                      reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace)
 
 
-class _Encoder:
-    """The process that encodes a streamed split's eras (`data/eras.py`) from `first_step` on."""
-
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str, first_step: int) -> None:
-        self.config, self.workdir = config, workdir
-        self.first_step, self.process = first_step, eras.start_encoder(workdir, config, first_step)
-
-    def restart(self, first_step: int) -> None:
-        self.stop()
-        self.first_step, self.process = first_step, eras.start_encoder(self.workdir, self.config, first_step)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait()
-
-
 def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pipeline.Prepared,
-                   held: contextlib.ExitStack, leader: bool) -> _Encoder | None:
+                   held: contextlib.ExitStack, leader: bool) -> Encoder | None:
     if not (leader and isinstance(prepared.train, eras.EraCache)):
         return None
     saved_steps = [int(name) for name in os.listdir(checkpoint.directory_of(workdir)) if name.isdigit()] \
         if os.path.isdir(checkpoint.directory_of(workdir)) else []
-    held.enter_context(eras.hold(prepared.train))
+    # Holds the eras first: a run that reads them now stops this one before it changes anything.
+    encoder = Encoder(config, workdir, prepared.train, max(saved_steps, default=0))
+    held.callback(encoder.stop)
     with contextlib.suppress(FileNotFoundError):  # where an earlier run's steps were: the new one says anew
         os.remove(prepared.train.position_path)
-    encoder = _Encoder(config, workdir, max(saved_steps, default=0))
-    held.callback(encoder.stop)
     return encoder
 
 
-def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, encoder: _Encoder | None):
+def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, encoder: Encoder | None):
     """(the era reader or None, make_batch(step) -> this process's rows) for the run's data.order."""
     rows = dict(batch_size=config.batch_size, process_index=jax.process_index(), process_count=jax.process_count())
     if isinstance(prepared.train, eras.EraCache):

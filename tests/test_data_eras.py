@@ -440,13 +440,14 @@ def test_an_era_changed_after_it_was_encoded_stops_in_one_line_and_is_encoded_ag
 def test_a_workdir_copied_from_a_running_one_is_refused_in_one_line_and_runs_once_the_original_ends(tmp_path):
     """The copy's eras.json names the original's eras: were both to run, each would delete what the other reads."""
     from andrea_jax import train_loop
+    from andrea_jax.data.encoder import hold
 
     config = era_config(tmp_path, keep_eras=2)
     config.model.update(dict(n_layer=1, d_model=32, n_head=2, mlp_dim=64, max_len=32))
     original, copy = str(tmp_path / "original"), str(tmp_path / "copy")
     prepared = prepared_eras(config, original)
     shutil.copytree(original, copy)
-    with eras.hold(prepared.train):  # the original, running
+    with hold(prepared.train):  # the original, running
         with pytest.raises(eras.DataError, match=r"^the eras in .* are read by another run now \(a workdir copied "
                                                  r"from a run names its eras\); give this one a data.cache_dir of its "
                                                  r"own .* or wait for the other to end$"):

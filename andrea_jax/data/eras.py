@@ -8,28 +8,22 @@ era before it is done, so a resume on a fresh machine with an empty cache opens 
 first era it needs starts, and builds only the eras from its step on. With `keep_eras`, the training
 loop deletes the eras its steps have passed and the encoder waits while that many are on disk.
 
-The encoder is its own process (`python -m andrea_jax.data.eras`), so that encoding never takes the
-training loop's interpreter; it exits when its parent does. A step whose era is not ready waits for it.
+The encoder is its own process (`encoder.py`), so that encoding never takes the training loop's
+interpreter. A step whose era is not ready waits for it.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import contextlib
-import ctypes
 import dataclasses
-import fcntl
 import glob
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
 import time
 import uuid
-from typing import IO
 import zlib
 
 import ml_collections
@@ -45,7 +39,6 @@ RECORD_FILE = "eras.json"  # in the workdir: the eras' starts, all a fresh machi
 POSITION_FILE = "eras.position.json"  # in the workdir: the eras the training loop's latest step reads
 _TARGET_READ_BYTES = 4 << 20  # text a read of the stream brings, about
 _POLL_S = 0.2
-_PR_SET_PDEATHSIG = 1
 
 
 def era_tokens(data: ml_collections.ConfigDict, seq_len: int) -> int:
@@ -401,56 +394,6 @@ def drop_outside(cache: EraCache, layout: order.Layout, position: int, keep_eras
     return dropped
 
 
-# ---- the process beside the training loop ----
-
-def start_encoder(workdir: str, config: ml_collections.ConfigDict, first_step: int) -> subprocess.Popen:
-    """The encoder process for the run in `workdir` from step `first_step` on; its output joins the run's."""
-    # A session of its own: a Ctrl-C to the run's terminal is the run's to handle, which stops the encoder.
-    return subprocess.Popen([sys.executable, "-m", "andrea_jax.data.eras", "--workdir", workdir,
-                             "--first-step", str(first_step), "--parent", str(os.getpid()),
-                             "--config", config.to_json()], start_new_session=True)
-
-
-def _main() -> None:
-    from andrea_jax.data import pipeline, tokenizer as tokenizers
-
-    parser = argparse.ArgumentParser(description="Encodes a run's streamed training split era by era.")
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--first-step", type=int, required=True)
-    parser.add_argument("--parent", type=int, required=True, help="the training run's process id")
-    parser.add_argument("--config", required=True, help="the run's config as JSON")
-    arguments = parser.parse_args()
-    config = ml_collections.ConfigDict(json.loads(arguments.config))
-    parent = arguments.parent
-    with contextlib.suppress(OSError, AttributeError):  # Linux: die with the training run, even by kill -9
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    alive = lambda: os.getppid() == parent  # elsewhere: stop at the next check
-    splits = pipeline.open_splits(config)
-    tokenizer = tokenizers.load(os.path.join(arguments.workdir, pipeline.TOKENIZER_FILE))
-    cache = pipeline.era_cache(config, arguments.workdir, splits, tokenizer)
-    log = lambda line: print(line, flush=True)
-    # The training run holds the cache (`hold`) for as long as its encoder runs.
-    encode(cache, splits.train, tokenizer, lambda: cache.layout(int(config.seed), int(config.seq_len)),
-           int(config.batch_size), arguments.first_step, int(config.steps) - 1, int(config.data.keep_eras),
-           alive, log)
-
-
-def hold(cache: EraCache) -> IO:
-    """The run's hold on its eras while it runs (close the file to let go): one run a cache. A workdir
-    copied from a run's, to try another setting from its checkpoint, names the same eras; were both to
-    run, each would delete what the other reads."""
-    os.makedirs(cache.directory, exist_ok=True)
-    lock = open(os.path.join(cache.directory, "train.lock"), "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise DataError(f"the eras in {cache.directory} are read by another run now (a workdir copied from a run "
-                        f"names its eras); give this one a data.cache_dir of its own (it encodes its eras there from "
-                        f"the step it resumes at) or wait for the other to end") from None
-    return lock
-
-
 def required_space(cache: EraCache, keep_eras: int) -> int:
     """Bytes the eras still to write need: keep_eras + 1 of them at once, else all."""
     count = -(-cache.planned_tokens // cache.era_tokens)
@@ -462,12 +405,3 @@ def required_space(cache: EraCache, keep_eras: int) -> int:
 def check_space(cache: EraCache, keep_eras: int) -> None:
     require_space(cache.directory, required_space(cache, keep_eras))
 
-
-if __name__ == "__main__":
-    from andrea_jax import UserError
-
-    try:
-        _main()
-    except UserError as error:
-        print(f"error: the era encoder stopped: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
