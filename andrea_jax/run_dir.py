@@ -104,16 +104,32 @@ def hold(workdir: str) -> int:
         raise ConfigError(f"--workdir {workdir} cannot be made ({error.strerror}); every directory on its path must "
                           f"be one that can hold it; use another --workdir") from None
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return lock(descriptor)
+    except Held as held:
+        raise ConfigError(f"--workdir {workdir} is in use by a training run ({held}); wait for it to end or "
+                          f"stop it (it saves and exits on Ctrl-C or SIGTERM), or use another --workdir") from None
     except OSError as error:
-        holder = os.pread(descriptor, 200, 0).decode("utf-8", "replace").strip() or "another process"
-        os.close(descriptor)
-        if isinstance(error, BlockingIOError):
-            raise ConfigError(f"--workdir {workdir} is in use by a training run ({holder}); wait for it to end or "
-                              f"stop it (it saves and exits on Ctrl-C or SIGTERM), or use another --workdir") from None
         raise ConfigError(f"--workdir {workdir} is on a file system without file locks ({error.strerror}), which "
                           f"keep two runs apart; use a local disk or NFS") from None
+
+
+class Held(Exception):
+    """The lock is another process's; the message is what its file says of that process."""
+
+
+def lock(descriptor: int, about: str = "") -> int:
+    """Takes an exclusive flock on the open file `descriptor` and writes this process (and `about`) in it;
+    returns the descriptor. Raises Held where another process holds it, OSError where the file system has
+    no locks; either way the descriptor is closed."""
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        holder = os.pread(descriptor, 300, 0).decode("utf-8", "replace").strip() or "another process"
+        os.close(descriptor)
+        if isinstance(error, BlockingIOError):
+            raise Held(holder) from None
+        raise
     os.ftruncate(descriptor, 0)
     os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, started "
-                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}{about}".encode(), 0)
     return descriptor

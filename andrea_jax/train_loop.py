@@ -7,7 +7,6 @@ log, evaluate and checkpoint. The host only waits for the device to log.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import itertools
 import os
@@ -32,7 +31,7 @@ from andrea_jax.tools import hellaswag, parameter_table
 from andrea_jax.config import validate
 from andrea_jax.data import batcher, eras, order, pipeline
 from andrea_jax.data import tokenizer as tokenizers
-from andrea_jax.data.encoder import Encoder
+from andrea_jax.data.encoder import Encoder, hold as hold_eras
 from andrea_jax.runtime.leader_first import leader_first
 
 
@@ -102,7 +101,14 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
             held.push(partial(_remove_if_unstarted, workdir))
         if saved is None:
             run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
-        return pipeline.prepare(config, workdir, is_leader=True)
+        prepared = pipeline.prepare(config, workdir, is_leader=True)
+        if isinstance(prepared.train, eras.EraCache):
+            descriptor = hold_eras(prepared.train, workdir)  # here, so that every process stops on a refusal
+            if descriptor is not None:
+                held.callback(os.close, descriptor)
+            if created:  # the eras of a new run are its own, keyed by its new id
+                held.push(partial(_remove_if_unstarted, workdir, also=prepared.train.directory))
+        return prepared
 
     prepared = leader_first(leader, as_leader, lambda: pipeline.prepare(config, workdir, is_leader=False),
                             "prepare the data")
@@ -144,7 +150,8 @@ class _StartUpInterrupt:
 
     def _dropped(self, unraisable) -> None:
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            later = threading.Timer(0.05, _thread.interrupt_main)
+            # A signal to the main thread, as Ctrl-C sends: it also ends a wait the thread is blocked in.
+            later = threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
             later.daemon = True
             later.start()
         else:
@@ -163,12 +170,13 @@ class _StartUpInterrupt:
                 "command to start again") from None
 
 
-def _remove_if_unstarted(workdir: str, failure: type | None, *_) -> None:
-    """The exit of a run that created `workdir`: after a failure, removes it if it holds no more than
-    the start-up writes (called while the run's lock is held, so no other run can be in it)."""
+def _remove_if_unstarted(workdir: str, failure: type | None, *_, also: str | None = None) -> None:
+    """The exit of a run that created `workdir`: after a failure, removes it (and `also`, its eras) if it
+    holds no more than the start-up writes (called while the run's lock is held, so no other run can be in
+    it)."""
     with contextlib.suppress(OSError):
         if failure is not None and set(os.listdir(workdir)) <= _START_UP_FILES:
-            shutil.rmtree(workdir)
+            shutil.rmtree(also or workdir)
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None, held: contextlib.ExitStack,
@@ -239,6 +247,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         reader, make_batch = _batches(config, prepared, encoder)
         step_trace = trace.StepTrace(workdir, config)
         held.callback(step_trace.close)
+        if start_step < config.steps:  # the wait for era 0 in this thread, where a Ctrl-C still stops at once
+            make_batch(start_step)
         start_up.first_step()
         return _loop(steps, state, start_step, carried_losses, carried_seconds, target_reached, prepared, make_batch,
                      reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace)
@@ -250,8 +260,7 @@ def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pi
         return None
     saved_steps = [int(name) for name in os.listdir(checkpoint.directory_of(workdir)) if name.isdigit()] \
         if os.path.isdir(checkpoint.directory_of(workdir)) else []
-    # Holds the eras first: a run that reads them now stops this one before it changes anything.
-    encoder = Encoder(config, workdir, prepared.train, max(saved_steps, default=0))
+    encoder = Encoder(config, workdir, max(saved_steps, default=0))
     held.callback(encoder.stop)
     with contextlib.suppress(FileNotFoundError):  # where an earlier run's steps were: the new one says anew
         os.remove(prepared.train.position_path)

@@ -32,7 +32,7 @@ KINDS = [
     # cuBLAS's kernels: nvjet_* (cuBLASLt's own), *xmma_gemm*; XLA's Triton ones: gemm_fusion_dot_*.
     ("matrix product", re.compile(r"gemm|nvjet|xmma|cublas|cutlass|matmul|dot|convolution", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy|transpose", re.I)),
-    ("other fusion", re.compile(r".")),
+    ("other fusion", re.compile(r"")),
 ]
 
 
@@ -50,8 +50,8 @@ def device_kernel_seconds(trace_path: str) -> dict[str, float]:
         events = json.load(f)["traceEvents"]
     metadata = [e for e in events if e.get("ph") == "M"]
     device_pids = {e["pid"] for e in metadata
-                   if e.get("name") == "process_name" and "/device:" in e["args"].get("name", "")}
-    lines = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in metadata
+                   if e.get("name") == "process_name" and "/device:" in e.get("args", {}).get("name", "")}
+    lines = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in metadata
              if e.get("name") == "thread_name" and e["pid"] in device_pids}
     counted = {line for line, name in lines.items() if name.startswith("Stream")} or {
         line for line, name in lines.items() if name == "XLA Ops"}

@@ -447,11 +447,31 @@ def test_a_workdir_copied_from_a_running_one_is_refused_in_one_line_and_runs_onc
     original, copy = str(tmp_path / "original"), str(tmp_path / "copy")
     prepared = prepared_eras(config, original)
     shutil.copytree(original, copy)
-    with hold(prepared.train):  # the original, running
-        with pytest.raises(eras.DataError, match=r"^the eras in .* are read by another run now \(a workdir copied "
-                                                 r"from a run names its eras\); give this one a data.cache_dir of its "
-                                                 r"own .* or wait for the other to end$"):
-            train_loop.train(config, copy, devices=jax.devices()[:1])
-        assert set(os.listdir(copy)) - {"run.lock"} == set(os.listdir(original))  # nothing else written
+    held = hold(prepared.train, original)  # the original, running
+    with pytest.raises(eras.DataError, match=rf"^the eras in .* are read by another run now \(pid {os.getpid()} "
+                                             rf"on .*, the run in {re.escape(original)}; a workdir copied from a run "
+                                             rf"names its eras\); give this one a data.cache_dir of its own .* or "
+                                             rf"wait for the other to end$"):
+        train_loop.train(config, copy, devices=jax.devices()[:1])
+    assert set(os.listdir(copy)) - {"run.lock"} == set(os.listdir(original))  # nothing else written
+    os.close(held)
     train_loop.train(config, copy, devices=jax.devices()[:1])
     assert metrics.read(copy)[-1]["step"] == config.steps
+
+
+def test_a_new_streamed_run_that_stops_before_its_first_step_leaves_neither_workdir_nor_eras(tmp_path, monkeypatch):
+    from andrea_jax import train_loop
+
+    config = era_config(tmp_path)
+    config.model.update(dict(n_layer=1, d_model=32, n_head=2, mlp_dim=64, max_len=32))
+    workdir = str(tmp_path / "run")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the step compiles
+
+    monkeypatch.setattr(train_loop.fit, "fit", interrupted)
+    with pytest.raises(train_loop.StoppedBeforeFirstStep):
+        train_loop.train(config, workdir, devices=jax.devices()[:1])
+    assert not os.path.exists(workdir)
+    assert glob.glob(str(tmp_path / "cache" / "tokens" / "*" / "val.bin"))  # the shared validation cache stays
+    assert not glob.glob(str(tmp_path / "cache" / "tokens" / "*" / "train*"))  # the run's own eras go

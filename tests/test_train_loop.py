@@ -373,19 +373,27 @@ def test_ctrl_c_dropped_by_a_garbage_collector_callback_still_stops_the_start_up
 
 def test_ctrl_c_while_the_step_compiles_stops_at_once_in_one_line_and_removes_the_new_workdir(tmp_path):
     workdir = tmp_path / "w"
-    process = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "train.py"), "--config", "configs/tiny.py", "--workdir", str(workdir),
-         f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.data.source=text:" +
-         write_corpus(str(tmp_path / "corpus")), "--config.data.tokenizer=byte", "--config.model.vocab_size=0",
-         "--config.steps=5", "--config.batch_size=2", "--config.seq_len=64"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONUNBUFFERED="1"))
-    for line in process.stdout:  # the mesh line comes just before the step compiles
-        if line.startswith("mesh "):
-            break
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=60)
+    with open(tmp_path / "stderr", "w+") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "train.py"), "--config", "configs/tiny.py", "--workdir", str(workdir),
+             f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.data.source=text:" +
+             write_corpus(str(tmp_path / "corpus")), "--config.data.tokenizer=byte", "--config.model.vocab_size=0",
+             "--config.steps=5", "--config.batch_size=2", "--config.seq_len=64"],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT,
+            env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONUNBUFFERED="1"))
+        try:
+            out = ""
+            for line in process.stdout:  # the mesh line comes just before the step compiles
+                out += line
+                if line.startswith("mesh "):
+                    break
+            process.send_signal(signal.SIGINT)
+            out += process.communicate(timeout=120)[0]
+        finally:
+            process.kill()
+        stderr.seek(0)
+        err = stderr.read()
     assert process.returncode == 2, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("error: stopped by Ctrl-C before the first step"), err[-2000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert "step 1" not in out and not workdir.exists()
+    assert "mesh " in out and "step 1" not in out and not workdir.exists()

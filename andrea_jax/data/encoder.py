@@ -1,7 +1,7 @@
 """The era encoder: the process beside the training loop that builds a streamed split's eras (`eras.py`).
 
-`Encoder` holds the run's eras (one run a cache) and starts `python -m andrea_jax.data.encoder` for the
-run in a workdir from a step on; the process dies with the training run, even by kill -9.
+`hold` keeps the run's eras its own while it runs; `Encoder` starts `python -m andrea_jax.data.encoder`
+for the run in a workdir from a step on, and the process dies with the training run, even by kill -9.
 """
 
 from __future__ import annotations
@@ -9,43 +9,43 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
-from typing import IO
 
 import ml_collections
 
+from andrea_jax import run_dir
 from andrea_jax.data import DataError, eras, pipeline
 from andrea_jax.data import tokenizer as tokenizers
 
 _PR_SET_PDEATHSIG = 1
 
 
-def hold(cache: eras.EraCache) -> IO:
-    """The run's hold on its eras while it runs (close the file to let go). A workdir copied from a run's,
-    to try another setting from its checkpoint, names the same eras; were both to run, each would delete
-    what the other reads."""
+def hold(cache: eras.EraCache, workdir: str) -> int | None:
+    """The run's hold on its eras while it runs: the descriptor to close to let go (None on a file system
+    without locks, where the run goes on unguarded, as a token cache's build does). A workdir copied from
+    a run's, to try another setting from its checkpoint, names the same eras; were both to run, each would
+    delete what the other reads."""
     os.makedirs(cache.directory, exist_ok=True)
-    lock = open(os.path.join(cache.directory, "train.lock"), "a")
+    descriptor = os.open(os.path.join(cache.directory, "train.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise DataError(f"the eras in {cache.directory} are read by another run now (a workdir copied from a run "
-                        f"names its eras); give this one a data.cache_dir of its own (it encodes its eras there from "
-                        f"the step it resumes at) or wait for the other to end") from None
-    return lock
+        return run_dir.lock(descriptor, f", the run in {os.path.abspath(workdir)}")
+    except run_dir.Held as held:
+        raise DataError(f"the eras in {cache.directory} are read by another run now ({held}; a workdir copied "
+                        f"from a run names its eras); give this one a data.cache_dir of its own (it encodes its "
+                        f"eras there from the step it resumes at) or wait for the other to end") from None
+    except OSError:
+        return None
 
 
 class Encoder:
     """The encoder process of the run in `workdir`, from `first_step` on; its output joins the run's."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str, cache: eras.EraCache, first_step: int) -> None:
-        self.config, self.workdir, self.held = config, workdir, hold(cache)
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, first_step: int) -> None:
+        self.config, self.workdir = config, workdir
         self.first_step, self.process = first_step, self._start(first_step)
 
     def _start(self, first_step: int) -> subprocess.Popen:
@@ -62,7 +62,6 @@ class Encoder:
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait()
-        self.held.close()
 
 
 def _main() -> None:

@@ -104,6 +104,8 @@ class EraCache:
             return None  # not encoded yet (the manifest is written after the tokens)
         except (OSError, ValueError):
             manifest = None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("num_tokens"), int):
+            manifest = None
         tokens = self.load(era)
         if manifest is None:
             found = "its manifest unreadable"
@@ -332,13 +334,17 @@ class Reader:
             return self._open[era]
         started, said, final = time.perf_counter(), False, self._final
         while (tokens := self.cache.verified(era)) is None:
+            ended = self.encoder is not None and self.encoder.poll() is not None
+            # Looked at after the encoder's end is seen: what it wrote before it ended is there now.
             if self.layout() is not self._layout or self._final != final:
                 return None
-            if self.encoder is not None and self.encoder.poll() == 0:
+            if ended and (tokens := self.cache.verified(era)) is not None:
+                break
+            if ended and self.encoder.returncode == 0:
                 raise DataError(f"era {era} is not in {self.cache.directory}, and the era encoder has ended, its "
-                                f"work done: something else deleted it; run the same command to resume (it is encoded "
-                                f"again)")
-            if self.encoder is not None and self.encoder.poll() is not None:
+                                f"work done: something else deleted it; run the same command to resume (it is "
+                                f"encoded again)")
+            if ended:
                 raise DataError(f"the era encoder stopped (exit code {self.encoder.returncode}, its message is above) "
                                 f"before era {era}; fix what it says and run the same command to resume")
             if not said:
