@@ -25,13 +25,13 @@ _PR_SET_PDEATHSIG = 1
 
 
 def hold(cache: eras.EraCache, workdir: str) -> int | None:
-    """The run's hold on its eras while it runs: the descriptor to close to let go (None on a file system
-    without locks, where the run goes on unguarded, as a token cache's build does). A workdir copied from
-    a run's, to try another setting from its checkpoint, names the same eras; were both to run, each would
-    delete what the other reads."""
-    os.makedirs(cache.directory, exist_ok=True)
-    descriptor = os.open(os.path.join(cache.directory, "train.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    """The run's hold on its eras while it runs: the descriptor to close to let go (None where no lock can
+    be taken: the run goes on unguarded, as a token cache's build does, and the encoder says what fails).
+    A workdir copied from a run's, to try another setting from its checkpoint, names the same eras; were
+    both to run, each would delete what the other reads."""
     try:
+        os.makedirs(cache.directory, exist_ok=True)
+        descriptor = os.open(os.path.join(cache.directory, "train.lock"), os.O_RDWR | os.O_CREAT, 0o644)
         return run_dir.lock(descriptor, f", the run in {os.path.abspath(workdir)}")
     except run_dir.Held as held:
         raise DataError(f"the eras in {cache.directory} are read by another run now ({held}; a workdir copied "
