@@ -247,8 +247,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         reader, make_batch = _batches(config, prepared, encoder)
         step_trace = trace.StepTrace(workdir, config)
         held.callback(step_trace.close)
-        if start_step < config.steps:  # the wait for era 0 in this thread, where a Ctrl-C still stops at once
-            make_batch(start_step)
+        if reader is not None and start_step < config.steps:  # the wait for the first era in this thread,
+            make_batch(start_step)  # where a Ctrl-C still stops at once (a finite split has no wait)
         start_up.first_step()
         return _loop(steps, state, start_step, carried_losses, carried_seconds, target_reached, prepared, make_batch,
                      reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace)
@@ -260,10 +260,10 @@ def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pi
         return None
     saved_steps = [int(name) for name in os.listdir(checkpoint.directory_of(workdir)) if name.isdigit()] \
         if os.path.isdir(checkpoint.directory_of(workdir)) else []
-    encoder = Encoder(config, workdir, max(saved_steps, default=0))
-    held.callback(encoder.stop)
     with contextlib.suppress(FileNotFoundError):  # where an earlier run's steps were: the new one says anew
         os.remove(prepared.train.position_path)
+    encoder = Encoder(config, workdir, max(saved_steps, default=0))
+    held.callback(encoder.stop)
     return encoder
 
 

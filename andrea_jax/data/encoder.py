@@ -55,8 +55,7 @@ class Encoder:
                                  "--config", self.config.to_json()], start_new_session=True)
 
     def restart(self, first_step: int) -> None:
-        self.process.terminate()
-        self.process.wait()
+        self.stop()
         self.first_step, self.process = first_step, self._start(first_step)
 
     def stop(self) -> None:

@@ -104,18 +104,17 @@ class EraCache:
             return None  # not encoded yet (the manifest is written after the tokens)
         except (OSError, ValueError):
             manifest = None
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("num_tokens"), int):
-            manifest = None
-        tokens = self.load(era)
-        if manifest is None:
+        num_tokens = manifest.get("num_tokens") if isinstance(manifest, dict) else None
+        size = os.path.getsize(tokens_path) if os.path.exists(tokens_path) else 0
+        if not isinstance(num_tokens, int):
             found = "its manifest unreadable"
-        elif tokens is None:
-            size = os.path.getsize(tokens_path) if os.path.exists(tokens_path) else 0
-            found = f"{size:,} bytes of tokens where its manifest says {int(manifest['num_tokens']) * TOKEN_BYTES:,}"
-        elif "crc32" in manifest and _crc32(tokens) != manifest["crc32"]:
-            found = "tokens that are not those its manifest's checksum describes"
+        elif size != num_tokens * TOKEN_BYTES:
+            found = f"{size:,} bytes of tokens where its manifest says {num_tokens * TOKEN_BYTES:,}"
         else:
-            return tokens
+            tokens = np.memmap(tokens_path, dtype=TOKEN_DTYPE, mode="r", shape=(num_tokens,))
+            if "crc32" not in manifest or _crc32(tokens) == manifest["crc32"]:  # eras of older runs have none
+                return tokens
+            found = "tokens that are not those its manifest's checksum describes"
         raise DataError(f"era {era} of the training split in {self.directory} was changed after it was encoded "
                         f"({found}); delete {os.path.basename(manifest_path)} there and run the same command "
                         f"to resume: the era is encoded again")
