@@ -122,7 +122,7 @@ def _without_tokenizer(workdir: str) -> str:
 def validation_split(config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer,
                      build: bool = True) -> TokenSplit:
     """The validation tokens of `config.data`, from the token cache (built if missing, with `build`)."""
-    return pipeline.token_split(config, pipeline.open_splits(config), tokenizer, "val", build)
+    return pipeline.validation_split(config, pipeline.open_splits(config), tokenizer, build)
 
 
 def scored_batches(step: Callable, params: Any, local_batch: Callable[[int], np.ndarray], batches: int,

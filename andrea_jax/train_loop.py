@@ -29,7 +29,7 @@ from andrea_jax import (UserError, checkpoint, evaluate, fit, flops, loss_scale,
                         sharding, trace, train_step)
 from andrea_jax.tools import hellaswag, parameter_table
 from andrea_jax.config import validate
-from andrea_jax.data import batcher, eras, order, pipeline
+from andrea_jax.data import batcher, eras, pipeline
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.encoder import Encoder, hold as hold_eras
 from andrea_jax.runtime.leader_first import leader_first
@@ -102,7 +102,7 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
         if saved is None:
             run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
         prepared = pipeline.prepare(config, workdir, is_leader=True)
-        if isinstance(prepared.train, eras.EraCache):
+        if prepared.train.encoded_beside_training:  # eras of the run's own (a split of one era is shared)
             descriptor = hold_eras(prepared.train, workdir)  # here, so that every process stops on a refusal
             if descriptor is not None:
                 held.callback(os.close, descriptor)
@@ -247,8 +247,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         reader, make_batch = _batches(config, prepared, encoder)
         step_trace = trace.StepTrace(workdir, config)
         held.callback(step_trace.close)
-        if reader is not None and start_step < config.steps:  # the wait for the first era in this thread,
-            make_batch(start_step)  # where a Ctrl-C still stops at once (a finite split has no wait)
+        if prepared.train.encoded_beside_training and start_step < config.steps:  # the wait for the first era in
+            make_batch(start_step)  # this thread, where a Ctrl-C still stops at once (one era: built already)
         start_up.first_step()
         return _loop(steps, state, start_step, carried_losses, carried_seconds, target_reached, prepared, make_batch,
                      reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace)
@@ -256,7 +256,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
 
 def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pipeline.Prepared,
                    held: contextlib.ExitStack, leader: bool) -> Encoder | None:
-    if not (leader and isinstance(prepared.train, eras.EraCache)):
+    if not (leader and prepared.train.encoded_beside_training):
         return None
     saved_steps = [int(name) for name in os.listdir(checkpoint.directory_of(workdir)) if name.isdigit()] \
         if os.path.isdir(checkpoint.directory_of(workdir)) else []
@@ -268,22 +268,16 @@ def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pi
 
 
 def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, encoder: Encoder | None):
-    """(the era reader or None, make_batch(step) -> this process's rows) for the run's data.order."""
+    """(the era reader, make_batch(step) -> this process's rows) for the run's data.order."""
     rows = dict(batch_size=config.batch_size, process_index=jax.process_index(), process_count=jax.process_count())
-    if isinstance(prepared.train, eras.EraCache):
-        reader = eras.Reader(prepared.train, config.seed, config.seq_len, config.data.keep_eras,
-                             delete_passed=jax.process_index() == 0, encoder=encoder and encoder.process,
-                             log=lambda line: tqdm.write(line))
-        return reader, lambda step: reader.batch(step, **rows)
-    if config.data.order == "epochs":  # a finite split: one era, always there
-        layout = order.Layout(prepared.train.num_tokens, config.seq_len, 0, config.seed)
-        return None, lambda step: batcher.epoch_batch(layout, lambda era: prepared.train.tokens, step=step, **rows)
-    return None, lambda step: batcher.train_batch(prepared.train.tokens, seed=config.seed, step=step,
-                                                  seq_len=config.seq_len, **rows)
+    reader = eras.Reader(prepared.train, config.seed, config.seq_len, config.data.keep_eras,
+                         delete_passed=jax.process_index() == 0, encoder=encoder and encoder.process,
+                         log=lambda line: tqdm.write(line), order=config.data.order)
+    return reader, lambda step: reader.batch(step, **rows)
 
 
 def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], carried_seconds: float,
-          target_reached: bool, prepared: pipeline.Prepared, make_batch, reader: eras.Reader | None,
+          target_reached: bool, prepared: pipeline.Prepared, make_batch, reader: eras.Reader,
           hellaswag_rows: hellaswag.Encoded | None, mesh: jax.sharding.Mesh, peak: float | None,
           ckpt: checkpoint.Checkpointer, writer: metrics.Writer, step_trace: trace.StepTrace) -> dict:
     config, leader = steps.config, jax.process_index() == 0
@@ -336,7 +330,7 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
             **{key: float(value) for key, value in latest.items()
                if key.startswith("diag/") or key in ("loss_scale", "skipped_steps")},
         }
-        if reader is not None:  # seconds the interval's steps waited for eras being encoded
+        if prepared.train.encoded_beside_training:  # seconds the interval's steps waited for eras being encoded
             record["data_wait_seconds"], reader.wait_seconds = reader.wait_seconds, 0.0
             if not compared_rates:
                 compared_rates.append(_compare_rates(reader, record["tokens_per_second"]))

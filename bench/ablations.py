@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from andrea_jax import diagnostics, model, optimizer, sharding, train_step  # noqa: E402
 from andrea_jax.tools import logit_lens, parameter_table
 from andrea_jax.config import base_config, validate  # noqa: E402
-from andrea_jax.data import DataError, batcher, pipeline  # noqa: E402
+from andrea_jax.data import DataError, batcher, eras, pipeline  # noqa: E402
 from configs import shakespeare_char  # noqa: E402
 
 
@@ -93,6 +93,8 @@ def train_variant(config, prepared, eval_every: int, eval_batches: int) -> dict:
     tx = optimizer.make(config)
     schedule = optimizer.learning_rate_schedule(config)
     record = {"train_loss": [], "val": [], "grad_norm": [], "diverged_at": None}
+    # Windows drawn at random, as every variant of the committed table was trained.
+    reader = eras.Reader(prepared.train, config.seed, config.seq_len, 0, False, order="random")
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.rules(config)):
         state = jax.jit(lambda rng: sharding.unbox(train_step.init_state(rng, config, tx)))(jax.random.key(config.seed))
         step_fn = jax.jit(train_step.make_train_step(config, tx, schedule), donate_argnums=0)
@@ -106,8 +108,7 @@ def train_variant(config, prepared, eval_every: int, eval_batches: int) -> dict:
         record["val"].append((0, validate_now(state["params"])))
         start = time.perf_counter()
         for step in range(config.steps):
-            batch = batcher.train_batch(prepared.train.tokens, seed=config.seed, step=step,
-                                        batch_size=config.batch_size, seq_len=config.seq_len)
+            batch = reader.batch(step, config.batch_size)
             state, metrics = step_fn(state, batch)
             metrics = jax.device_get(metrics)
             if step == 0:

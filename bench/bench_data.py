@@ -66,8 +66,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as scratch:
         documents = sources.ListDocuments(texts)
-        identity = {"bench": "stdlib", "megabytes": args.megabytes}
-        split, seconds = timed(token_cache.build, documents, bpe, scratch, "train", identity, False)
+        split, seconds = timed(token_cache.load_or_build, scratch, "train", documents, bpe, "train")
         rows.append(("token cache build (bpe)", f"{seconds:.2f} s",
                      f"{split.num_bytes / seconds / 1e6:.2f} MB/s, "
                      f"{split.num_tokens / seconds / 1e6:.2f} Mtok/s, {split.num_tokens:,} tokens"))
@@ -81,17 +80,17 @@ def main() -> None:
         for run in range(args.runs):
             started = time.perf_counter()
             for step in range(steps):
-                batcher.train_batch(tokens, seed=run, step=step, batch_size=batch_size,
-                                    seq_len=seq_len)
+                batcher.random_windows(tokens, seed=run, step=step, batch_size=batch_size,
+                                       seq_len=seq_len)
             rates.append(steps * batch_size * (seq_len + 1) / (time.perf_counter() - started))
-        rows.append(("train_batch 32x1025 (memmap)", f"{statistics.median(rates) / 1e6:.1f} Mtok/s",
+        rows.append(("random_windows 32x1025 (memmap)", f"{statistics.median(rates) / 1e6:.1f} Mtok/s",
                      f"median of {args.runs} x {steps} batches, "
                      f"range {min(rates) / 1e6:.1f}-{max(rates) / 1e6:.1f}"))
 
         mesh = jax.make_mesh((jax.device_count(),), ("data",),
                              axis_types=(jax.sharding.AxisType.Auto,))
         sharding = NamedSharding(mesh, PartitionSpec("data"))
-        make_batch = lambda step: batcher.train_batch(  # noqa: E731
+        make_batch = lambda step: batcher.random_windows(  # noqa: E731
             tokens, seed=0, step=step, batch_size=batch_size, seq_len=seq_len)
         with contextlib.closing(batcher.prefetch(make_batch, 0, sharding)) as prefetched:
             next(prefetched)

@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from andrea_jax.data import batcher, eras, order  # noqa: E402
+from andrea_jax.data import batcher, eras, order, token_cache  # noqa: E402
 
 ENCODE = """
 import json, os, sys, time
@@ -50,13 +50,16 @@ def step_cost(runs: int) -> list[tuple[str, str, str]]:
     """Median seconds to find and read a 512-window step of the 10B recipe: the order, then the batch."""
     layout = order.Layout(10_000_000_000, 1024, 65536 * 1024 + 1)
     era = np.zeros(65536 * 1024 + 1, np.uint16)
+
+    def epoch_batch(step: int) -> np.ndarray:  # what `eras.Reader.batch` does with its eras open
+        _, eras_of_step, offsets = layout.locate(np.arange(step * 512, step * 512 + 512))
+        return batcher.read_windows({int(k): era for k in np.unique(eras_of_step)}, eras_of_step, offsets, 1024)
+
     rows = []
     for name, work in (("order: positions -> windows", lambda step: layout.locate(np.arange(step * 512, step * 512 + 512))),
-                       ("epoch_batch 512x1025", lambda step: batcher.epoch_batch(layout, lambda k: era, step=step,
-                                                                                  batch_size=512)),
-                       ("train_batch 512x1025 (random)", lambda step: batcher.train_batch(era, seed=0, step=step,
-                                                                                            batch_size=512,
-                                                                                            seq_len=1024))):
+                       ("epoch batch 512x1025", epoch_batch),
+                       ("random_windows 512x1025", lambda step: batcher.random_windows(era, seed=0, step=step,
+                                                                                        batch_size=512, seq_len=1024))):
         times = []
         for step in range(runs * 20):
             started = time.perf_counter()
@@ -73,7 +76,7 @@ def era_open_cost(runs: int, directory: str) -> tuple[str, str, str]:
     tokens_path, manifest_path = cache.paths(0)
     tokens.tofile(tokens_path)
     with open(manifest_path, "w") as f:
-        json.dump({"era": 0, "num_tokens": int(tokens.size), "crc32": eras._crc32(tokens)}, f)
+        json.dump({"era": 0, "num_tokens": int(tokens.size), "crc32": token_cache.crc32(tokens)}, f)
     times = []
     for _ in range(runs):
         started = time.perf_counter()

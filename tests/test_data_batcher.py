@@ -13,6 +13,12 @@ from andrea_jax.data import DataError, batcher
 TOKENS = np.arange(100_000, dtype=np.int64).astype(np.uint16)
 
 
+def train_batch(tokens, *, batch_size, process_index=0, process_count=1, **kwargs):
+    """data.order="random": this process's rows of the step's batch."""
+    return batcher.random_windows(tokens, batch_size=batch_size,
+                                  rows=batcher.local_rows(batch_size, process_index, process_count), **kwargs)
+
+
 def batch_sharding():
     mesh = jax.make_mesh((jax.device_count(),), ("data",),
                          axis_types=(jax.sharding.AxisType.Auto,))
@@ -20,7 +26,7 @@ def batch_sharding():
 
 
 def test_train_batch_rows_are_contiguous_windows():
-    batch = batcher.train_batch(TOKENS, seed=3, step=7, batch_size=16, seq_len=64)
+    batch = train_batch(TOKENS, seed=3, step=7, batch_size=16, seq_len=64)
     assert batch.shape == (16, 65) and batch.dtype == np.int32
     for row in batch:
         np.testing.assert_array_equal(row, TOKENS[row[0]:row[0] + 65])
@@ -29,7 +35,7 @@ def test_train_batch_rows_are_contiguous_windows():
 
 def test_batch_is_a_pure_function_of_seed_and_step():
     def batch(seed, step):
-        return batcher.train_batch(TOKENS, seed=seed, step=step, batch_size=8, seq_len=32)
+        return train_batch(TOKENS, seed=seed, step=step, batch_size=8, seq_len=32)
 
     uninterrupted = [batch(0, step) for step in range(20)]
     resumed_at_13 = [batch(0, step) for step in range(13, 20)]
@@ -41,8 +47,8 @@ def test_batch_is_a_pure_function_of_seed_and_step():
 
 def test_two_processes_build_the_halves_of_the_single_process_batch():
     kwargs = dict(seed=5, step=11, batch_size=8, seq_len=16)
-    whole = batcher.train_batch(TOKENS, **kwargs)
-    halves = [batcher.train_batch(TOKENS, process_index=i, process_count=2, **kwargs)
+    whole = train_batch(TOKENS, **kwargs)
+    halves = [train_batch(TOKENS, process_index=i, process_count=2, **kwargs)
               for i in range(2)]
     assert halves[0].shape == (4, 17)
     np.testing.assert_array_equal(np.concatenate(halves), whole)
@@ -69,18 +75,18 @@ def test_validation_batches_are_sequential_and_fixed():
 
 def test_bad_shapes_name_the_fix():
     with pytest.raises(DataError, match="fewer than seq_len \\+ 1 = 65"):
-        batcher.train_batch(TOKENS[:64], seed=0, step=0, batch_size=2, seq_len=64)
+        train_batch(TOKENS[:64], seed=0, step=0, batch_size=2, seq_len=64)
     with pytest.raises(DataError, match="make batch_size a multiple of 3"):
-        batcher.train_batch(TOKENS, seed=0, step=0, batch_size=8, seq_len=8, process_count=3)
+        train_batch(TOKENS, seed=0, step=0, batch_size=8, seq_len=8, process_count=3)
 
 
 def test_short_stream_uses_its_only_window():
-    batch = batcher.train_batch(TOKENS[:9], seed=0, step=0, batch_size=3, seq_len=8)
+    batch = train_batch(TOKENS[:9], seed=0, step=0, batch_size=3, seq_len=8)
     np.testing.assert_array_equal(batch, np.tile(np.arange(9), (3, 1)))
 
 
 def test_to_global_places_the_batch_on_all_devices():
-    local = batcher.train_batch(TOKENS, seed=0, step=0, batch_size=2 * jax.device_count(), seq_len=8)
+    local = train_batch(TOKENS, seed=0, step=0, batch_size=2 * jax.device_count(), seq_len=8)
     sharding = batch_sharding()
     array = batcher.to_global(local, sharding)
     assert isinstance(array, jax.Array) and array.sharding == sharding
@@ -96,7 +102,7 @@ def test_prefetcher_yields_the_batches_of_consecutive_steps():
     size = 2 * jax.device_count()
 
     def make_batch(step):
-        return batcher.train_batch(TOKENS, seed=1, step=step, batch_size=size, seq_len=16)
+        return train_batch(TOKENS, seed=1, step=step, batch_size=size, seq_len=16)
 
     with contextlib.closing(batcher.prefetch(make_batch, start_step=40, sharding=sharding)) as batches:
         for expected_step in range(40, 46):
@@ -138,9 +144,9 @@ def test_prefetcher_close_stops_a_full_queue():
 
 def test_batcher_delivers_far_more_than_a_million_tokens_per_second():
     tokens = np.random.default_rng(0).integers(0, 8449, 5_000_000).astype(np.uint16)
-    batcher.train_batch(tokens, seed=0, step=0, batch_size=32, seq_len=1024)
+    train_batch(tokens, seed=0, step=0, batch_size=32, seq_len=1024)
     started = time.perf_counter()
     for step in range(20):
-        batcher.train_batch(tokens, seed=0, step=step, batch_size=32, seq_len=1024)
+        train_batch(tokens, seed=0, step=step, batch_size=32, seq_len=1024)
     tokens_per_second = 20 * 32 * 1024 / (time.perf_counter() - started)
     assert tokens_per_second > 10e6

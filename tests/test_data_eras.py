@@ -45,7 +45,7 @@ def encode_all(config, prepared, first_step=0, keep_eras=0, alive=lambda: True, 
 
 
 def era_tokens_of(cache):
-    return [np.array(cache.load(era)) for era in range(-(-cache.total_tokens() // cache.era_tokens))]
+    return [np.array(cache.verified(era)) for era in range(-(-cache.total_tokens() // cache.era_tokens))]
 
 
 def test_eras_hold_the_stream_cut_where_the_budget_says(tmp_path):
@@ -117,8 +117,8 @@ def test_a_fresh_cache_builds_only_the_eras_from_the_resumed_step_on(tmp_path):
     encode_all(config, prepared, first_step=6, log=lines.append)  # step 6 reads windows 24..27: era 4
     assert [int(line.split()[1]) for line in lines] == [4, 5, 6]
     for era in (4, 5, 6):
-        np.testing.assert_array_equal(prepared.train.load(era), whole[era])
-    assert prepared.train.load(3) is None
+        np.testing.assert_array_equal(prepared.train.verified(era), whole[era])
+    assert prepared.train.verified(3) is None
 
 
 @pytest.mark.parametrize("batch_size, most_eras_a_step", [(4, 2), (12, 3)])
@@ -307,42 +307,10 @@ def test_a_run_recorded_before_data_order_resumes_with_random_windows(tmp_path):
     assert run_dir.load_saved_config(workdir).data.order == "random"
 
 
-def stopped_after_some_chunks(monkeypatch, build):
-    """Runs `build` (a token cache build in chunks of 1000 tokens) until the stream's 40th record, as a kill would."""
-    from andrea_jax.data import hf_stream
-
-    monkeypatch.setattr(token_cache, "CHUNK_TOKENS", 1000)
-    yielded, next_text = [0], hf_stream._Texts.__next__
-
-    def stops_at_record_40(texts):
-        yielded[0] += 1
-        if yielded[0] == 40:
-            raise KeyboardInterrupt
-        return next_text(texts)
-
-    monkeypatch.setattr(hf_stream._Texts, "__next__", stops_at_record_40)
-    with pytest.raises(KeyboardInterrupt):
-        build()
-    monkeypatch.setattr(hf_stream._Texts, "__next__", next_text)
-
-
 def test_a_relative_cache_dir_that_does_not_exist_is_checked_without_hanging(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(token_cache.atomic.DiskFull, match=r"^the token cache needs 1000000.00 GB more in not/yet "):
         token_cache.require_space("not/yet", 10**15)
-
-
-def test_the_budget_of_a_token_cache_already_built_is_not_asked_for_again(tmp_path, monkeypatch):
-    config = era_config(tmp_path, order="random", stream_tokens=6000)
-    stopped_after_some_chunks(monkeypatch, lambda: pipeline.prepare(config, str(tmp_path / "first")))
-    finished = token_cache.tokens_on_disk(config.data.cache_dir, {**pipeline.open_splits(config).identity,
-                                                                  "train_tokens": 6000})
-    assert 1000 <= finished < 6000
-    free = [(6000 - finished) * 2 + 100]  # room for the rest, not for the whole cache
-    monkeypatch.setattr(token_cache.shutil, "disk_usage", lambda path: type("Usage", (), {"free": free[0]}))
-    assert pipeline.prepare(config, str(tmp_path / "second")).train.num_tokens == 6000
-    free[0] = 0  # a third workdir over the same, complete cache needs no space at all
-    assert pipeline.prepare(config, str(tmp_path / "third")).train.num_tokens == 6000
 
 
 def test_a_hub_dataset_that_moved_since_its_cache_began_is_refused(tmp_path, monkeypatch):
@@ -360,19 +328,8 @@ def test_a_hub_dataset_that_moved_since_its_cache_began_is_refused(tmp_path, mon
                                         r"this cache began; its eras in this run are of the old one: train the "
                                         r"new one in a new workdir$"):
         encode_all(config, prepared, first_step=7)
-    assert prepared.train.load(5) is None
+    assert prepared.train.verified(5) is None
 
-    # A token cache stopped after its first chunks (data.order="random"), resumed after the dataset moved.
-    config = era_config(tmp_path, order="random", stream_tokens=6000)
-    commit[0] = "c0ffee"
-    stopped_after_some_chunks(
-        monkeypatch, lambda: pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train"))
-    commit[0] = "decade"
-    with pytest.raises(DataError, match=r"moved from commit c0ffee to decade since this cache began; delete "
-                                        r".*train\.bin\.tmp and run again to build the cache from the new commit$"):
-        pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
-    commit[0] = "c0ffee"  # back where it began: the build goes on
-    assert pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train").num_tokens == 6000
 
 
 def test_a_resume_that_would_plan_other_eras_says_so_once(tmp_path, capsys):
@@ -385,7 +342,7 @@ def test_a_resume_that_would_plan_other_eras_says_so_once(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("were planned for") == 1 and f"planned for {prepared.train.planned_tokens:,} tokens" in out
     splits = pipeline.open_splits(config)
-    pipeline.era_cache(config, workdir, splits, prepared.tokenizer)  # what the encoder process opens
+    pipeline.train_cache(config, workdir, splits, prepared.tokenizer)  # what the encoder process opens
     assert "were planned for" not in capsys.readouterr().out
 
 

@@ -1,10 +1,12 @@
 """data.order="epochs": every window once an epoch, in a keyed order that is a pure function of (seed, step)."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
 
-from andrea_jax.data import batcher, order
+from andrea_jax.data import DataError, batcher, eras, order, token_cache
 from tests.test_data_batcher import batch_sharding
 
 # Token i has value i % 65536, so a window's position in the stream is visible.
@@ -59,29 +61,52 @@ def test_the_order_depends_on_the_seed_and_nothing_else():
     assert np.array_equal(a.locate(positions)[2], again.locate(positions)[2])
 
 
-def test_epoch_batches_are_windows_of_the_stream_and_split_over_processes():
-    layout = order.Layout(total_tokens=len(TOKENS), seq_len=16, seed=5)
-    tokens_of = lambda era: TOKENS
-    whole = batcher.epoch_batch(layout, tokens_of, step=11, batch_size=8)
+def one_era_reader(directory, tokens, seq_len, seed, data_order="epochs"):
+    """The reader of a finite training split (one era) that holds `tokens`."""
+    cache = eras.EraCache(str(directory), str(directory / "eras.json"), 0, len(tokens))
+    tokens.astype(np.uint16).tofile(cache.paths(0)[0])
+    with open(cache.paths(0)[1], "w") as f:
+        json.dump({"num_tokens": len(tokens), "crc32": token_cache.crc32(tokens.astype(np.uint16))}, f)
+    return eras.Reader(cache, seed, seq_len, keep_eras=4, delete_passed=True, order=data_order)
+
+
+def test_epoch_batches_are_windows_of_the_stream_and_split_over_processes(tmp_path):
+    reader = one_era_reader(tmp_path, TOKENS, seq_len=16, seed=5)
+    whole = reader.batch(step=11, batch_size=8)
     assert whole.shape == (8, 17) and whole.dtype == np.int32
     for row in whole:
         assert row[0] % 16 == 0  # epoch 0: windows at multiples of seq_len
         np.testing.assert_array_equal(row, TOKENS[row[0]:row[0] + 17])
-    halves = [batcher.epoch_batch(layout, tokens_of, step=11, batch_size=8, process_index=i, process_count=2)
-              for i in range(2)]
+    halves = [reader.batch(step=11, batch_size=8, process_index=i, process_count=2) for i in range(2)]
     np.testing.assert_array_equal(np.concatenate(halves), whole)
     # On 8 devices the global array is the same batch.
     size = jax.device_count()
-    local = batcher.epoch_batch(layout, tokens_of, step=3, batch_size=size)
+    local = reader.batch(step=3, batch_size=size)
     on_devices = batcher.to_global(local, batch_sharding())
     assert len(on_devices.sharding.device_set) == size
     np.testing.assert_array_equal(np.asarray(on_devices), local)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.bin", "train.json"]  # one era: kept, nothing recorded
 
 
-def test_the_steps_of_a_run_cross_epochs_without_repeating_within_one():
-    layout = order.Layout(total_tokens=3_000, seq_len=32, seed=0)  # 93 windows an epoch
+def test_random_batches_are_windows_drawn_with_replacement_and_split_over_processes(tmp_path):
+    reader = one_era_reader(tmp_path, TOKENS, seq_len=16, seed=5, data_order="random")
+    whole = reader.batch(step=11, batch_size=8)
+    starts = batcher.random_starts(5, 11, len(TOKENS) - 16, 8)
+    np.testing.assert_array_equal(whole, np.stack([TOKENS[s:s + 17] for s in starts]).astype(np.int32))
+    halves = [reader.batch(step=11, batch_size=8, process_index=i, process_count=2) for i in range(2)]
+    np.testing.assert_array_equal(np.concatenate(halves), whole)
+    # A split of one era that went missing has no encoder to wait for: one line.
+    (tmp_path / "train.json").unlink()
+    fresh = eras.Reader(reader.cache, 5, 16, keep_eras=0, delete_passed=False, order="random")
+    with pytest.raises(DataError, match=r"^the training split's .*train\.bin is gone; run the same command to resume"):
+        fresh.batch(step=0, batch_size=8)
+
+
+def test_the_steps_of_a_run_cross_epochs_without_repeating_within_one(tmp_path):
+    reader = one_era_reader(tmp_path, TOKENS[:3_000], seq_len=32, seed=0)  # 93 windows an epoch
+    layout = reader.layout()
     batch_size, steps = 8, 40  # 320 windows: three epochs and a part
-    starts = np.concatenate([batcher.epoch_batch(layout, lambda era: TOKENS, step=s, batch_size=batch_size)[:, 0]
+    starts = np.concatenate([reader.batch(step=s, batch_size=batch_size)[:, 0]
                              for s in range(steps)]).astype(np.int64)
     epochs = layout.locate(np.arange(steps * batch_size))[0]
     for epoch in range(3):

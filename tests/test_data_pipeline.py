@@ -5,11 +5,16 @@ import numpy as np
 import pytest
 
 from andrea_jax.config import base_config
-from andrea_jax.data import DataError, batcher, pipeline, sources
+from andrea_jax.data import DataError, batcher, pipeline, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
                            "tinyshakespeare.txt")
+
+
+def whole_train(prepared):
+    """A finite training split's one era, as its token file."""
+    return token_cache.read(*prepared.train.paths(0), "")
 
 
 def make_corpus(directory, num_files=120):
@@ -40,10 +45,11 @@ def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path, capsys):
     config.data.tokenizer_train_bytes = 50_000
     workdir = tmp_path / "run"
     first = pipeline.prepare(config, str(workdir))
+    first_train = whole_train(first)
     # Each slow start-up stage says what it is doing before it starts.
     assert capsys.readouterr().out.splitlines() == [
         "training the BPE tokenizer (8192 merges) on up to 0.05 MB of the training split",
-        f"encoding the train split into the token cache {first.train.path}",
+        f"encoding the train split into the token cache {first_train.path}",
         f"encoding the val split into the token cache {first.val.path}"]
 
     tokenizer = first.tokenizer
@@ -52,24 +58,25 @@ def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path, capsys):
     saved = tokenizers.load(workdir / "tokenizer.json")
     assert saved.sha256 == tokenizer.sha256
     # 121 files: every 10th of them is validation.
-    assert first.train.manifest["num_documents"] == 109 and first.val.manifest["num_documents"] == 12
+    assert first_train.tokens.tolist().count(tokenizer.eot_id) == 109
+    assert first.val.tokens.tolist().count(tokenizer.eot_id) == 12
     total_bytes = sum(os.path.getsize(p) for p in corpus.iterdir())
-    assert first.train.num_bytes + first.val.num_bytes == total_bytes + 2  # the latin-1 byte reads as U+FFFD
-    text = tokenizer.decode(first.train.tokens[:200])
+    assert first_train.num_bytes + first.val.num_bytes == total_bytes + 2  # the latin-1 byte reads as U+FFFD
+    text = tokenizer.decode(first_train.tokens[:200])
     assert text.startswith("def function_0_0(x):\n")
 
     # A restart: same tokenizer (not retrained), same caches (not rebuilt), same batches.
     config.data.tokenizer_train_bytes = 10_000  # would train another tokenizer
-    modified = os.path.getmtime(first.train.path)
+    modified = os.path.getmtime(first_train.path)
     resumed = pipeline.prepare(config, str(workdir))
     assert capsys.readouterr().out == ""  # nothing to train or encode
     assert resumed.tokenizer.sha256 == tokenizer.sha256
-    assert resumed.train.path == first.train.path
-    assert os.path.getmtime(resumed.train.path) == modified
+    assert resumed.train == first.train
+    assert os.path.getmtime(first_train.path) == modified
     for step in (0, 7, 123):
         np.testing.assert_array_equal(
-            batcher.train_batch(resumed.train.tokens, seed=0, step=step, batch_size=4, seq_len=32),
-            batcher.train_batch(first.train.tokens, seed=0, step=step, batch_size=4, seq_len=32))
+            batcher.random_windows(whole_train(resumed).tokens, seed=0, step=step, batch_size=4, seq_len=32),
+            batcher.random_windows(first_train.tokens, seed=0, step=step, batch_size=4, seq_len=32))
     with open(workdir / "data.json") as f:
         assert json.load(f)["tokenizer_sha256"] == tokenizer.sha256
 
@@ -77,11 +84,11 @@ def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path, capsys):
 def test_stdlib_source_with_byte_tokens(tmp_path):
     prepared = pipeline.prepare(make_config(tmp_path, "stdlib"), str(tmp_path / "run"))
     assert prepared.tokenizer.vocab_size == 257
-    train = prepared.train
+    train = whole_train(prepared)
     # Byte tokens: one per byte plus one end-of-text per document.
-    assert train.num_tokens == train.num_bytes + train.manifest["num_documents"]
+    assert train.num_tokens == train.num_bytes + train.tokens.tolist().count(256)
     assert train.num_bytes > 2_000_000
-    assert prepared.val.manifest["source"]["val_rule"] == "every 10th document"
+    assert json.load(open(tmp_path / "run" / "data.json"))["source"]["val_rule"] == "every 10th document"
     assert train.tokens.max() == 256 and train.tokens.dtype == np.uint16
 
 
@@ -93,6 +100,7 @@ def test_other_processes_read_what_the_leader_wrote(tmp_path):
     follower = pipeline.prepare(config, str(tmp_path / "run"), is_leader=False)
     assert follower.tokenizer.sha256 == leader.tokenizer.sha256
     np.testing.assert_array_equal(follower.val.tokens, leader.val.tokens)
+    assert follower.train == leader.train
 
 
 def test_vocabulary_size_must_match_the_model(tmp_path):
@@ -128,12 +136,12 @@ def test_tokenizer_file_from_the_config_is_copied_into_the_workdir(tmp_path):
 def test_truncated_cache_is_rebuilt_on_the_next_run(tmp_path, capsys):
     config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus')}")
     first = pipeline.prepare(config, str(tmp_path / "run"))
-    expected = np.array(first.train.tokens)
-    with open(first.train.path, "r+b") as f:
+    expected = np.array(whole_train(first).tokens)
+    with open(whole_train(first).path, "r+b") as f:
         f.truncate(100)
     again = pipeline.prepare(config, str(tmp_path / "run"))
-    np.testing.assert_array_equal(again.train.tokens, expected)
-    assert "is unusable (token file has 100 bytes" in capsys.readouterr().out
+    np.testing.assert_array_equal(whole_train(again).tokens, expected)
+    assert "was changed after it was encoded (100 bytes of tokens where its manifest says" in capsys.readouterr().out
 
 
 def test_validation_split_smaller_than_one_batch_is_refused(tmp_path):
@@ -177,7 +185,7 @@ def test_shakespeare_char_recipe_runs_offline_from_a_local_copy(tmp_path):
     prepared = pipeline.prepare(config, str(tmp_path / "run"))
     assert prepared.tokenizer.kind == "char" and prepared.tokenizer.vocab_size == len(set(text)) + 1
     cut = int(len(text) * 0.9)  # nanoGPT's 90/10 split by position; + end-of-text each
-    assert (prepared.train.num_tokens, prepared.val.num_tokens) == (cut + 1, len(text) - cut + 1)
+    assert (prepared.train.total_tokens(), prepared.val.num_tokens) == (cut + 1, len(text) - cut + 1)
     assert prepared.tokenizer.decode(prepared.val.tokens[:-1]) == text[cut:]
 
 
@@ -188,16 +196,32 @@ def test_shakespeare_char_matches_nanogpt_split(tmp_path):
     prepared = pipeline.prepare(config, str(tmp_path / "run"))
     assert prepared.tokenizer.vocab_size == 66
     # nanoGPT: 1,003,854 train and 111,540 val characters; + end-of-text each.
-    assert (prepared.train.num_tokens, prepared.val.num_tokens) == (1_003_855, 111_541)
+    assert (prepared.train.total_tokens(), prepared.val.num_tokens) == (1_003_855, 111_541)
 
 
 def test_a_process_reading_the_leaders_cache_never_builds_one(tmp_path):
     config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus', num_files=20)}")
     splits, tokenizer = pipeline.open_splits(config), tokenizers.ByteTokenizer()
-    with pytest.raises(DataError, match=r"^the val token cache in .* is unusable \(missing\); put data.cache_dir "
+    with pytest.raises(DataError, match=r"^the validation token cache in .* is missing; put data.cache_dir "
                                         r"on a filesystem all processes share$"):
-        pipeline.token_split(config, splits, tokenizer, "val", build=False)
+        pipeline.validation_split(config, splits, tokenizer, build=False)
     assert not os.path.exists(tmp_path / "cache" / "tokens")
-    built = pipeline.token_split(config, splits, tokenizer, "val")
-    read = pipeline.token_split(config, splits, tokenizer, "val", build=False)
+    built = pipeline.validation_split(config, splits, tokenizer)
+    read = pipeline.validation_split(config, splits, tokenizer, build=False)
     assert read.path == built.path and read.num_tokens == built.num_tokens > 0
+
+
+def test_a_cache_an_older_commit_wrote_is_read_as_it_is(tmp_path, capsys):
+    """Before eras, a finite training split's train.bin had a manifest without a checksum: a resume reads it."""
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus', num_files=20)}")
+    first = pipeline.prepare(config, str(tmp_path / "run"))
+    train = whole_train(first)
+    older = {"format_version": 1, "split": "train", "source": {}, "num_tokens": train.num_tokens,
+             "num_bytes": train.num_bytes, "num_documents": 18, "max_tokens": 0}
+    with open(first.train.paths(0)[1], "w") as f:
+        json.dump(older, f)
+    capsys.readouterr()
+    again = pipeline.prepare(config, str(tmp_path / "run"))
+    assert capsys.readouterr().out == ""  # nothing encoded again
+    assert again.train == first.train and whole_train(again).manifest == older
+    np.testing.assert_array_equal(whole_train(again).tokens, train.tokens)

@@ -39,7 +39,7 @@ def run_eval(*args, devices=1):
 
 def val_manifest(workdir):
     data = json.load(open(os.path.join(workdir, "data.json")))
-    return json.load(open(os.path.join(data["cache_directories"]["val"], "val.json")))
+    return json.load(open(os.path.join(data["validation_directory"], "val.json")))
 
 
 def test_eval_py_on_one_device_reports_loss_perplexity_bits_per_byte_a_sample_a_trace_and_the_plot(trained):

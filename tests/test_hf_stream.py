@@ -43,6 +43,18 @@ def byte_tokens(texts):
     return [t for text in texts for t in [*text.encode("utf-8"), 256]]
 
 
+def whole_train(prepared):
+    """A training split of one era (data.order="random" on a stream: its budget), as its token file."""
+    return token_cache.read(*prepared.train.paths(0), "")
+
+
+def train_of(config, splits, workdir):
+    """The budget of a stream as one era, built before the first step: data.order="random"'s training cache."""
+    config.data.order = "random"
+    cache = pipeline.train_cache(config, str(workdir), splits, ByteTokenizer())
+    return token_cache.read(*cache.paths(0), "")
+
+
 def make_config(tmp_path, source, **data):
     config = base_config()
     config.steps, config.batch_size, config.seq_len = 10, 4, 32  # the steps read 10 × 4 × 33 = 1320 tokens
@@ -77,14 +89,14 @@ def test_training_takes_the_tokens_asked_for_and_reads_no_further(tmp_path):
             yield text
 
     splits.train.open_texts = lambda: counted(open_texts())
-    train = token_cache.build(splits.train, ByteTokenizer(), str(tmp_path / "c"), "train", splits.identity,
-                              progress=False, max_tokens=splits.train_tokens)
+    train = token_cache.load_or_build(str(tmp_path / "c"), "train", splits.train, ByteTokenizer(), "train",
+                                      splits.train_tokens)
     # Training starts after the 20 held-out documents and stops at exactly 1452 tokens,
     # inside the document that crosses them.
     assert train.tokens.tolist() == byte_tokens(DOCS[20:])[:1452]
     ends = np.cumsum([len(d) + 1 for d in DOCS[20:]])
     needed = int(np.searchsorted(ends, 1452)) + 1
-    assert train.manifest["num_documents"] == needed == 38
+    assert needed == 38
     cut = 1452 - int(ends[needed - 2])
     assert train.num_bytes == int(ends[needed - 2]) - (needed - 1) + cut  # the cut document counts its kept bytes
     # Of 1980 training documents the stream gave up only those (and a read-ahead of a few).
@@ -100,7 +112,7 @@ def test_held_out_validation_is_the_stream_start_and_never_reaches_training(tmp_
     assert sample[0] == DOCS[20] and not set(sample) & set(DOCS[:20])
     prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", order="random"), str(tmp_path / "run"))
     assert prepared.val.tokens.tolist() == byte_tokens(DOCS[:20])
-    assert prepared.train.tokens[:len(DOCS[20]) + 1].tolist() == byte_tokens(DOCS[20:21])
+    assert whole_train(prepared).tokens[:len(DOCS[20]) + 1].tolist() == byte_tokens(DOCS[20:21])
 
 
 def test_the_dataset_own_validation_split_is_used(tmp_path):
@@ -117,17 +129,17 @@ def test_a_second_prepare_reuses_the_cache_without_reading_the_stream(tmp_path, 
     config = make_config(tmp_path, f"hf:{corpus}", tokenizer="bpe", tokenizer_train_bytes=20_000, order="random")
     workdir = str(tmp_path / "run")
     first = pipeline.prepare(config, workdir)
-    assert first.train.num_tokens == 1452 and first.train.manifest["max_tokens"] == 1452
-    modified = os.path.getmtime(first.train.path)
+    assert whole_train(first).num_tokens == 1452
+    modified = os.path.getmtime(whole_train(first).path)
 
     def no_reading(*args):
         raise AssertionError("the dataset was opened again")
 
     monkeypatch.setattr(hf_stream, "_load", no_reading)
     again = pipeline.prepare(config, workdir)
-    assert (again.train.path, again.val.path) == (first.train.path, first.val.path)
-    assert os.path.getmtime(again.train.path) == modified
-    np.testing.assert_array_equal(again.train.tokens, first.train.tokens)
+    assert (whole_train(again).path, again.val.path) == (whole_train(first).path, first.val.path)
+    assert os.path.getmtime(whole_train(again).path) == modified
+    np.testing.assert_array_equal(whole_train(again).tokens, whole_train(first).tokens)
     np.testing.assert_array_equal(again.val.tokens, first.val.tokens)
     assert evaluate.validation_split(config, first.tokenizer).path == first.val.path  # eval.py's, too
 
@@ -135,8 +147,8 @@ def test_a_second_prepare_reuses_the_cache_without_reading_the_stream(tmp_path, 
     monkeypatch.undo()
     config.data.stream_tokens = 1000
     fewer = pipeline.prepare(config, workdir)
-    assert os.path.dirname(fewer.train.path) != os.path.dirname(first.train.path)
-    np.testing.assert_array_equal(fewer.train.tokens, first.train.tokens[:1000])
+    assert os.path.dirname(whole_train(fewer).path) != os.path.dirname(whole_train(first).path)
+    np.testing.assert_array_equal(whole_train(fewer).tokens, whole_train(first).tokens[:1000])
     assert fewer.val.path == first.val.path  # validation holds the same documents: its key has no budget
 
 
@@ -147,7 +159,7 @@ def test_a_resume_with_more_steps_and_an_eval_at_another_length_keep_the_validat
     built = os.path.getmtime(first.val.path)
     config.steps = 20  # a resume that trains on needs more training text, and only that
     longer = pipeline.prepare(config, workdir)
-    assert longer.train.num_tokens == 2 * first.train.num_tokens == 2904  # 1.1 × 20 × 4 × 33
+    assert whole_train(longer).num_tokens == 2 * whole_train(first).num_tokens == 2904  # 1.1 × 20 × 4 × 33
     assert longer.val.path == first.val.path and os.path.getmtime(longer.val.path) == built
     monkeypatch.setattr(hf_stream, "_load", lambda *args: pytest.fail("the dataset was opened again"))
     config.steps, config.seq_len = 30, 16  # eval.py --config.seq_len=16 on a run of other steps
@@ -173,7 +185,7 @@ def test_a_text_column_that_is_not_text_stops_before_anything_is_written(tmp_pat
     write_jsonl(corpus / "train.jsonl", DOCS[:5] + [None] * 5 + DOCS[5:200])
     prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", stream_val_documents=5, order="random"),
                                 str(tmp_path / "ok"))
-    assert prepared.train.tokens[:len(DOCS[5]) + 1].tolist() == byte_tokens(DOCS[5:6])
+    assert whole_train(prepared).tokens[:len(DOCS[5]) + 1].tolist() == byte_tokens(DOCS[5:6])
 
 
 @pytest.mark.parametrize("tokenizer, message", [
@@ -209,7 +221,7 @@ def test_the_text_field_is_configurable_on_parquet(tmp_path):
     prepared = pipeline.prepare(make_config(tmp_path, f"hf:{corpus}", text_field="content", order="random"),
                                 str(tmp_path / "run"))
     assert prepared.val.tokens.tolist() == byte_tokens(DOCS[:20])
-    assert prepared.train.tokens.tolist() == byte_tokens(DOCS[20:])[:1452]
+    assert whole_train(prepared).tokens.tolist() == byte_tokens(DOCS[20:])[:1452]
 
 
 def assert_fails_fast_with_one_line(tmp_path, message):
@@ -367,7 +379,7 @@ def test_an_untrusted_certificate_met_while_reading_is_not_retried(tmp_path, mon
     delays = []
     monkeypatch.setattr(sources.time, "sleep", delays.append)
     with pytest.raises(DataError) as error:
-        pipeline.token_split(config, splits, ByteTokenizer(), "train")
+        train_of(config, splits, tmp_path / "run")
     assert delays == []
     assert re.fullmatch(r"this machine does not trust the hub's TLS certificate, so Hugging Face dataset .*corpus "
                         r"cannot stream from the hub \(\[SSL: CERTIFICATE_VERIFY_FAILED\] certificate verify "
@@ -421,49 +433,35 @@ def test_offline_train_py_stops_with_one_line_and_writes_no_data(tmp_path):
 _KILLABLE_BUILD = """
 import sys
 from andrea_jax.config import base_config
-from andrea_jax.data import pipeline, token_cache
+from andrea_jax.data import pipeline
 from andrea_jax.data.tokenizer import ByteTokenizer
-token_cache.CHUNK_TOKENS = 1 << 20  # twenty chunks
 config = base_config()
 config.data.update(source="hf:" + sys.argv[1], tokenizer="byte", cache_dir=sys.argv[2], stream_val_documents=20,
-                   stream_tokens=20_000_000)
-print(pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train").num_tokens, flush=True)
+                   stream_tokens=4_000_000, order="random")
+print(pipeline.train_cache(config, sys.argv[3], pipeline.open_splits(config), ByteTokenizer()).planned_tokens,
+      flush=True)
 """
 
 
-def finished_tokens(cache):
-    records = glob.glob(str(cache / "tokens" / "*" / "train.progress.json"))
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        return json.load(open(records[0]))["num_tokens"]
-    return 0
-
-
-def test_a_build_killed_at_several_moments_goes_on_and_ends_byte_identical(tmp_path):
-    texts = [f"page {i}: " + "the quick brown fox jumps over the lazy dog. " * (20 + i % 40) for i in range(18_000)]
-    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", texts)  # 26 MB of JSON Lines
-    cache, log = tmp_path / "cache", tmp_path / "build.log"
-    build = [sys.executable, "-c", _KILLABLE_BUILD, str(corpus), str(cache)]
-    kill_when = (lambda: finished_tokens(cache) >= 2 << 20,  # just after a chunk's record
-                 lambda: finished_tokens(cache) >= 6 << 20 and time.sleep(0.03) is None,  # inside the next chunk
-                 lambda: "going on with the token cache" in log.read_text())  # as it reopens the stream there
-    for moment, kill in enumerate(kill_when):
-        before = finished_tokens(cache)
-        with open(log, "w") as out:
-            process = subprocess.Popen(build, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + 120
-        while not kill():
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.005)
-        process.kill()
-        process.wait()
-        assert finished_tokens(cache) >= before > 0 or moment == 0  # a kill never loses a recorded chunk
-        assert ("going on with the token cache" in log.read_text()) == (moment > 0), log.read_text()[-2000:]
+def test_a_build_killed_while_it_writes_leaves_no_cache_and_the_next_ends_byte_identical(tmp_path):
+    texts = [f"page {i}: " + "the quick brown fox jumps over the lazy dog. " * (20 + i % 40) for i in range(4_000)]
+    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", texts)
+    cache = tmp_path / "cache"
+    build = [sys.executable, "-c", _KILLABLE_BUILD, str(corpus), str(cache), str(tmp_path / "run")]
+    process = subprocess.Popen(build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+    written = lambda: sum(os.path.getsize(path) for path in glob.glob(str(cache / "tokens" / "*" / "train.bin.tmp")))
+    deadline = time.monotonic() + 120
+    while written() < 1 << 20:  # a quarter of the way
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0][-2000:]
+        time.sleep(0.005)
+    process.kill()
+    process.wait()
+    assert glob.glob(str(cache / "tokens" / "*" / "train.json")) == []  # nothing that looks complete
     last = subprocess.run(build, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert last.returncode == 0, last.stdout[-2000:]
-    assert "going on with the token cache" in last.stdout and last.stdout.split()[-1] == "20000000"
+    assert last.returncode == 0 and last.stdout.split()[-1] == "4000000", last.stdout[-2000:]
+    config = make_config(tmp_path, f"hf:{corpus}", stream_tokens=4_000_000, cache_dir=str(tmp_path / "whole"))
+    whole = train_of(config, pipeline.open_splits(config), tmp_path / "other")
     resumed = glob.glob(str(cache / "tokens" / "*" / "train.bin"))
-    config = make_config(tmp_path, f"hf:{corpus}", stream_tokens=20_000_000, cache_dir=str(tmp_path / "whole"))
-    whole = pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
     assert [os.path.relpath(path, cache) for path in resumed] == [os.path.relpath(whole.path, tmp_path / "whole")]
     assert open(resumed[0], "rb").read() == open(whole.path, "rb").read()
 
@@ -471,7 +469,7 @@ def test_a_build_killed_at_several_moments_goes_on_and_ends_byte_identical(tmp_p
 def test_a_dropped_connection_is_retried_from_the_last_read_and_the_cache_is_unchanged(tmp_path, monkeypatch):
     corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
     config = make_config(tmp_path, f"hf:{corpus}", stream_tokens=30_000)
-    reference = pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
+    reference = train_of(config, pipeline.open_splits(config), tmp_path / "run")
     yielded, failures, delays = [0], iter([300, 700]), []
     fail_at = next(failures)
     next_text = hf_stream._Texts.__next__
@@ -490,48 +488,37 @@ def test_a_dropped_connection_is_retried_from_the_last_read_and_the_cache_is_unc
     splits = pipeline.open_splits(config)
     opened, open_texts = [], splits.train.open_texts
     splits.train.open_texts = lambda state=None: opened.append(state) or open_texts(state)
-    retried = pipeline.token_split(config, splits, ByteTokenizer(), "train")
+    retried = train_of(config, splits, tmp_path / "run")
     assert delays == [2, 2] and opened[0] is None and all(state is not None for state in opened[1:])
     assert len(opened) == 3  # each retry goes on from the last read's state, not from the start
     assert yielded[0] < 2 * len(DOCS)
     assert open(retried.path, "rb").read() == open(reference.path, "rb").read()
 
 
-def test_a_dropped_connection_while_a_build_reopens_its_stream_is_retried(tmp_path, monkeypatch, capsys):
-    corpus = write_jsonl(tmp_path / "corpus" / "train.jsonl", DOCS)
-    config = make_config(tmp_path, f"hf:{corpus}", stream_tokens=30_000)
-    reference = pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
-    monkeypatch.setattr(token_cache, "CHUNK_TOKENS", 4096)
-    config.data.cache_dir = str(tmp_path / "resumed")
-    yielded, next_text = [0], hf_stream._Texts.__next__
+def test_a_dropped_connection_while_an_era_reopens_its_stream_is_retried(tmp_path, monkeypatch):
+    from tests.test_data_eras import encode_all, era_config, era_tokens_of, prepared_eras
 
-    def stops_at_record_500(texts):  # a build stopped after it recorded some chunks
-        yielded[0] += 1
-        if yielded[0] == 500:
-            raise KeyboardInterrupt
-        return next_text(texts)
-
-    monkeypatch.setattr(hf_stream._Texts, "__next__", stops_at_record_500)
-    with pytest.raises(KeyboardInterrupt):
-        pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
-    assert finished_tokens(tmp_path / "resumed") >= 4096
-    monkeypatch.setattr(hf_stream._Texts, "__next__", next_text)
+    config = era_config(tmp_path)
+    config.steps, config.data.era_windows = 30, 40  # 3 eras of about 18 documents: era 1 starts after a read that recorded its state
+    prepared = prepared_eras(config, str(tmp_path / "run"))
+    encode_all(config, prepared)
+    reference = era_tokens_of(prepared.train)
+    prepared.train.delete(1)
     delays, opened = [], []
     monkeypatch.setattr(sources.time, "sleep", delays.append)
     splits = pipeline.open_splits(config)
     open_texts = splits.train.open_texts
 
-    def reopen(state=None):  # the first reopen at the recorded chunk meets a dropped connection
+    def reopen(state=None):  # the first reopen meets a dropped connection
         opened.append(state)
         if len(opened) == 1:
             raise ConnectionResetError(104, "Connection reset by peer")
         return open_texts(state)
 
     splits.train.open_texts = reopen
-    resumed = pipeline.token_split(config, splits, ByteTokenizer(), "train")
-    assert "going on with the token cache" in capsys.readouterr().out
+    encode_all(config, prepared, documents=splits.train)
     assert delays == [2] and len(opened) == 2 and opened[0] is not None and opened[1] == opened[0]
-    assert open(resumed.path, "rb").read() == open(reference.path, "rb").read()
+    np.testing.assert_array_equal(era_tokens_of(prepared.train)[1], reference[1])
 
 
 def test_a_stream_that_keeps_failing_stops_with_one_line(tmp_path, monkeypatch):
@@ -541,11 +528,10 @@ def test_a_stream_that_keeps_failing_stops_with_one_line(tmp_path, monkeypatch):
     delays = []
     monkeypatch.setattr(sources.time, "sleep", delays.append)
     with pytest.raises(DataError) as error:
-        pipeline.token_split(config, pipeline.open_splits(config), ByteTokenizer(), "train")
+        train_of(config, pipeline.open_splits(config), tmp_path / "run")
     assert delays == [2, 4, 8, 16, 32, 64]
     assert re.fullmatch(r"Hugging Face dataset .*corpus failed 7 times in a row \(read timed out\); run the same "
-                        r"command again when it answers \(a token cache build goes on from its last finished "
-                        r"chunk\)", str(error.value))
+                        r"command again when it answers \(the eras encoded so far are kept\)", str(error.value))
 
 
 def test_which_errors_are_retried():

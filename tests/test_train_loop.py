@@ -65,7 +65,7 @@ def test_metrics_records_and_falling_loss(tmp_path):
         assert all(r[k] > 0 for k in r if k.startswith("diag/grad_norm"))
     assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
     data = json.load(open(os.path.join(workdir, "data.json")))
-    val = json.load(open(os.path.join(data["cache_directories"]["val"], "val.json")))
+    val = json.load(open(os.path.join(data["validation_directory"], "val.json")))
     for r in (r for r in records if "val_loss" in r):  # bits per byte over the split's measured bytes
         assert r["val_bits_per_byte"] == pytest.approx(
             r["val_loss"] * val["num_tokens"] / (val["num_bytes"] * np.log(2)), rel=1e-12)

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import jax
 import numpy as np
 
-from andrea_jax.data import DataError, order
+from andrea_jax.data import DataError
 
 
 def local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
@@ -44,34 +44,22 @@ def read_windows(tokens_of_era, eras: np.ndarray, offsets: np.ndarray, seq_len: 
     return batch_BxLp1
 
 
-def epoch_batch(layout: order.Layout, tokens_of: Callable[[int], np.ndarray], *, step: int, batch_size: int,
-                process_index: int = 0, process_count: int = 1) -> np.ndarray:
-    """data.order="epochs": this process's rows of the step's batch, positions step·B ... of the run's
-    order (`order.py`), read from `tokens_of(era)`: int32 [batch_size // process_count, seq_len + 1]."""
-    positions = np.arange(step * batch_size, (step + 1) * batch_size)[local_rows(batch_size, process_index,
-                                                                                 process_count)]
-    _, eras, offsets = layout.locate(positions)
-    return read_windows({int(era): tokens_of(int(era)) for era in np.unique(eras)}, eras, offsets, layout.seq_len)
-
-
 def random_starts(seed: int, step: int, num_windows: int, batch_size: int) -> np.ndarray:
     """data.order="random": the first tokens of the step's whole batch, drawn with replacement."""
     return np.random.default_rng([int(seed), int(step)]).integers(0, num_windows, size=batch_size)
 
 
-def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,
-                process_index: int = 0, process_count: int = 1) -> np.ndarray:
-    """data.order="random" (runs started before data.order): this process's rows of the step's batch,
-    windows at random offsets drawn with replacement: int32 [batch_size // process_count, seq_len + 1]."""
+def random_windows(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int,
+                   rows: slice = slice(None)) -> np.ndarray:
+    """data.order="random" (runs started before data.order): `rows` of the step's batch, windows at random
+    offsets drawn with replacement: int32 [len(rows), seq_len + 1]."""
     num_windows = len(tokens) - seq_len
     if num_windows < 1:
         raise DataError(f"the training split has {len(tokens)} tokens, fewer than seq_len + 1 = "
                         f"{seq_len + 1}; lower seq_len or add text")
-    rows = local_rows(batch_size, process_index, process_count)
-    # Every process draws the whole global batch's offsets (cheap) and keeps its rows,
-    # so the slices of all processes concatenate to the single-process batch.
-    starts = random_starts(seed, step, num_windows, batch_size)
-    return _windows(tokens, starts[rows], seq_len)
+    # The whole global batch's offsets are drawn (cheap) and the rows kept, so the rows of all
+    # processes concatenate to the single-process batch.
+    return _windows(tokens, random_starts(seed, step, num_windows, batch_size)[rows], seq_len)
 
 
 def num_val_windows(num_tokens: int, seq_len: int) -> int:

@@ -1,8 +1,10 @@
-"""A streamed training split cached in eras, built by an encoder beside the training loop.
+"""The training split cached in eras, and the one reader of them for every `data.order`.
 
-Era k is tokens [k·era_tokens, (k + 1)·era_tokens) of the split (`order.py` cuts its windows), in
-`<cache>/train.era<k>.bin` with a manifest `train.era<k>.json` written last: an era is there whole or
-not at all. Where each era starts in the stream (the document, the token inside it, the `datasets`
+A finite split, and a stream's budget read in data.order="random", is one era (`train.bin`), encoded
+before the first step and shared by the runs of its source. A stream read in data.order="epochs" is
+cut in eras built by an encoder beside the training loop, the run's own. Era k is tokens
+[k·era_tokens, (k + 1)·era_tokens) of the split (`order.py` cuts its windows), in `<cache>/train.era<k>.bin`
+with a manifest `train.era<k>.json` written last: an era is there whole or not at all. Where each era starts in the stream (the document, the token inside it, the `datasets`
 state of a read at or before that document) is recorded in the workdir's `eras.json` as soon as the
 era before it is done, so a resume on a fresh machine with an empty cache opens the stream where the
 first era it needs starts, and builds only the eras from its step on. With `keep_eras`, the training
@@ -14,7 +16,6 @@ interpreter. A step whose era is not ready waits for it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import glob
@@ -24,20 +25,18 @@ import re
 import subprocess
 import time
 import uuid
-import zlib
 
 import ml_collections
 import numpy as np
 
 from andrea_jax.data import DataError, batcher, order, token_cache
 from andrea_jax.data.sources import StreamedDocuments
-from andrea_jax.data.token_cache import TOKEN_BYTES, TOKEN_DTYPE, require_space
+from andrea_jax.data.token_cache import TOKEN_BYTES, require_space
 from andrea_jax.data.tokenizer import Tokenizer
 from andrea_jax.runtime import atomic
 
 RECORD_FILE = "eras.json"  # in the workdir: the eras' starts, all a fresh machine needs
 POSITION_FILE = "eras.position.json"  # in the workdir: the eras the training loop's latest step reads
-_TARGET_READ_BYTES = 4 << 20  # text a read of the stream brings, about
 _POLL_S = 0.2
 
 
@@ -54,15 +53,22 @@ def tokens_for_windows(windows: int, seq_len: int, era_windows: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class EraCache:
-    """A streamed split's eras in `directory`, their starts recorded in `record_path` (the workdir's)."""
+    """A training split's eras in `directory`, their starts recorded in `record_path` (the workdir's).
+
+    era_tokens 0: the whole split is one era, `train.bin`, built before the first step and shared by the runs
+    of its source (`token_cache.load_or_build`); its planned_tokens are then the tokens it holds."""
 
     directory: str
     record_path: str
     era_tokens: int
     planned_tokens: int  # the stream's budget; `final_tokens` in the record when the stream ended before it
 
+    @property
+    def encoded_beside_training(self) -> bool:
+        return self.era_tokens > 0
+
     def paths(self, era: int) -> tuple[str, str]:
-        stem = os.path.join(self.directory, f"train.era{era:05d}")
+        stem = os.path.join(self.directory, f"train.era{era:05d}" if self.era_tokens else "train")
         return f"{stem}.bin", f"{stem}.json"
 
     def record(self) -> dict:
@@ -81,43 +87,24 @@ class EraCache:
     def layout(self, seed: int, seq_len: int) -> order.Layout:
         return order.Layout(self.total_tokens(), seq_len, self.era_tokens, seed)
 
-    def load(self, era: int) -> np.ndarray | None:
-        """Era `era`'s tokens (read-only memmap) when it is built, else None."""
-        tokens_path, manifest_path = self.paths(era)
-        try:
-            with open(manifest_path, encoding="utf-8") as f:
-                num_tokens = int(json.load(f)["num_tokens"])
-            if os.path.getsize(tokens_path) == num_tokens * TOKEN_BYTES:
-                return np.memmap(tokens_path, dtype=TOKEN_DTYPE, mode="r", shape=(num_tokens,))
-        except (OSError, ValueError, KeyError):
-            pass
-        return None
+    def built(self, era: int) -> bool:
+        """Whether era `era` is on disk whole, by its manifest and its file's size (the cheap check)."""
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return os.path.getsize(self.paths(era)[0]) == int(self.manifest(era)["num_tokens"]) * TOKEN_BYTES
+        return False
 
     def verified(self, era: int) -> np.ndarray | None:
-        """`load`, for reading: None until the era's manifest is written; an era whose tokens are not
-        those its manifest describes (the file shortened, removed or overwritten since) stops the run in
-        one line."""
-        tokens_path, manifest_path = self.paths(era)
-        try:
-            manifest = self.manifest(era)
-        except FileNotFoundError:
-            return None  # not encoded yet (the manifest is written after the tokens)
-        except (OSError, ValueError):
-            manifest = None
-        num_tokens = manifest.get("num_tokens") if isinstance(manifest, dict) else None
-        size = os.path.getsize(tokens_path) if os.path.exists(tokens_path) else 0
-        if not isinstance(num_tokens, int):
-            found = "its manifest unreadable"
-        elif size != num_tokens * TOKEN_BYTES:
-            found = f"{size:,} bytes of tokens where its manifest says {num_tokens * TOKEN_BYTES:,}"
-        else:
-            tokens = np.memmap(tokens_path, dtype=TOKEN_DTYPE, mode="r", shape=(num_tokens,))
-            if "crc32" not in manifest or _crc32(tokens) == manifest["crc32"]:  # eras of older runs have none
-                return tokens
-            found = "tokens that are not those its manifest's checksum describes"
-        raise DataError(f"era {era} of the training split in {self.directory} was changed after it was encoded "
-                        f"({found}); delete {os.path.basename(manifest_path)} there and run the same command "
-                        f"to resume: the era is encoded again")
+        """Era `era`'s tokens (a read-only memmap) once its manifest is written, else None; an era whose tokens
+        are not those its manifest describes (the file shortened, removed or overwritten since) stops the run
+        in one line."""
+        fix = (f"delete {os.path.basename(self.paths(era)[1])} there and run the same command to resume: the era is "
+               f"encoded again")
+        split = token_cache.read(*self.paths(era), fix, f"era {era} of the training split in {self.directory}")
+        return None if split is None else split.tokens
+
+    def manifest(self, era: int) -> dict:
+        with open(self.paths(era)[1], encoding="utf-8") as f:
+            return json.load(f)
 
     def on_disk(self) -> list[int]:
         names = glob.glob(os.path.join(self.directory, "train.era*.json"))
@@ -141,17 +128,6 @@ class EraCache:
             return int(position["sequence"]), int(position["needed"])
         return None
 
-    def manifest(self, era: int) -> dict:
-        with open(self.paths(era)[1], encoding="utf-8") as f:
-            return json.load(f)
-
-
-def _crc32(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
-    crc = 0
-    for start in range(0, tokens.size, chunk):
-        crc = zlib.crc32(tokens[start:start + chunk], crc)
-    return crc
-
 
 def era_range(layout: order.Layout, batch_size: int, first_step: int, last_step: int) -> tuple[int, int]:
     """The sequence numbers (`Layout.era_sequence_number`) of the first and last era steps first..last read."""
@@ -162,70 +138,21 @@ def era_range(layout: order.Layout, batch_size: int, first_step: int, last_step:
 
 # ---- building ----
 
-def _encode_documents(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
-    """Each text's tokens and then end-of-text (none for an empty text)."""
-    separator = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
-    encoded = iter(tokenizer.encode_arrays([t for t in texts if t]))
-    return [np.concatenate([next(encoded), np.array(separator, np.int32)]) if text else np.zeros(0, np.int32)
-            for text in texts]
-
-
 def build_era(cache: EraCache, era: int, documents: StreamedDocuments, tokenizer: Tokenizer, start: dict,
               length: int, log=print) -> tuple[dict | None, int]:
     """Encodes era `era` from `start` (a record of where it begins) into the cache: at most `length` tokens.
     Returns (the start of the next era, or None where the stream ended; the tokens written)."""
-    tokens_path, manifest_path = cache.paths(era)
-    temporary = f"{tokens_path}.tmp"
-    started = time.perf_counter()
-    state_position, state = int(start["state_position"]), start["state"]
-    position, skip = int(start["document"]), int(start["token"])
     _same_commit(cache, documents)
-    documents.resume(state_position, state)
-    written = num_bytes = crc32 = 0
-    next_start = None
-    per_read = 16
-    with atomic.writing(tokens_path), open(temporary, "wb") as out, \
-            concurrent.futures.ThreadPoolExecutor(1) as reader:
-        pending = reader.submit(documents.read, position, position + per_read)
-        while next_start is None and (texts := pending.result()):
-            read_at, read_state = position, (state if position == state_position else documents.state_at(position))
-            if read_state is not None or position == 0:
-                state_position, state = read_at, read_state
-            position += len(texts)
-            text_bytes = sum(len(t.encode("utf-8")) for t in texts)
-            per_read = int(np.clip(_TARGET_READ_BYTES * len(texts) / max(text_bytes, 1), 1, 65536))
-            pending = reader.submit(documents.read, position, position + per_read)  # read while this is encoded
-            for index, ids in enumerate(_encode_documents(tokenizer, texts)):
-                taken = ids[skip:skip + length - written]
-                chunk = taken.astype(TOKEN_DTYPE).tobytes()
-                out.write(chunk)
-                crc32 = zlib.crc32(chunk, crc32)
-                written += taken.size
-                num_bytes += len(tokenizer.decode(taken.tolist()).encode("utf-8")) if skip or taken.size < ids.size \
-                    else len(texts[index].encode("utf-8"))
-                if written == length:  # the era ends here: the next one starts with this document's rest
-                    cut = skip + taken.size
-                    document = read_at + index + (cut == ids.size)
-                    next_start = {"document": document, "token": 0 if cut == ids.size else cut,
-                                  "state_position": state_position, "state": state}
-                    break
-                skip = 0
-        pending.cancel()
-        out.flush()
-        os.fsync(out.fileno())
+    tokens_path, manifest_path = cache.paths(era)
+    next_start, manifest = token_cache.encode(tokens_path, documents, tokenizer, start, length)
+    written, seconds = manifest["num_tokens"], manifest["build_seconds"]
     if written == 0:  # the stream ended where this era would start
-        os.remove(temporary)
         _record_start(cache, era, None, final_tokens=era * cache.era_tokens)
         return None, 0
-    os.replace(temporary, tokens_path)
-    seconds = time.perf_counter() - started
-    manifest = {"era": era, "num_tokens": written, "crc32": crc32, "num_bytes": num_bytes,
-                "build_seconds": round(seconds, 3),
-                "tokens_per_second": round(written / max(seconds, 1e-9)), "start": start}
     _record_start(cache, era + 1, next_start, final_tokens=None if next_start else era * cache.era_tokens + written)
-    atomic.write(manifest_path, json.dumps(manifest, indent=1))
-    log(f"era {era} encoded: {written:,} tokens in {seconds:.1f} s ({num_bytes / max(seconds, 1e-9) / 1e6:.1f} MB/s "
-        f"of text, {written / max(seconds, 1e-9) / 1e6:.2f} M tokens/s)")
+    atomic.write(manifest_path, json.dumps({"era": era, **manifest}, indent=1))
+    log(f"era {era} encoded: {written:,} tokens in {seconds:.1f} s ({manifest['num_bytes'] / max(seconds, 1e-9) / 1e6:.1f} "
+        f"MB/s of text, {written / max(seconds, 1e-9) / 1e6:.2f} M tokens/s)")
     return next_start, written
 
 
@@ -286,7 +213,7 @@ def encode(cache: EraCache, documents: StreamedDocuments, tokenizer: Tokenizer, 
             drop_outside(cache, layout, position, max(keep_eras, needed - position + 1))
         era = sequence % layout.num_eras
         sequence += 1
-        if cache.load(era) is not None:
+        if cache.built(era):
             continue
         known = max(k for k in map(int, cache.record()["starts"]) if k <= era)
         for building in range(known, era + 1):  # the eras before `era` only to find where it starts
@@ -305,14 +232,15 @@ def encode(cache: EraCache, documents: StreamedDocuments, tokenizer: Tokenizer, 
 # ---- reading ----
 
 class Reader:
-    """The eras as the training loop reads them: waits for an era not built yet (saying which, and
-    for how long). With `keep_eras`, process 0 (`delete_passed`) says which eras the step being built
-    reads (`EraCache.position_path`: the encoder builds up to them, and keep_eras from the first) and
+    """The eras as the training loop reads them, in `data.order` ("random": windows drawn with replacement from
+    a split of one era): waits for an era not built yet (saying which, and for how long). With `keep_eras`,
+    process 0 (`delete_passed`) says which eras the step being built reads (`EraCache.position_path`: the encoder builds up to them, and keep_eras from the first) and
     deletes the eras outside that window; every process lets go of those it no longer reads."""
 
     def __init__(self, cache: EraCache, seed: int, seq_len: int, keep_eras: int, delete_passed: bool,
-                 encoder: subprocess.Popen | None = None, log=print) -> None:
-        self.cache, self.seed, self.seq_len, self.keep_eras = cache, seed, seq_len, keep_eras
+                 encoder: subprocess.Popen | None = None, log=print, order: str = "epochs") -> None:
+        self.cache, self.seed, self.seq_len, self.order = cache, seed, seq_len, order
+        self.keep_eras = keep_eras if cache.encoded_beside_training else 0  # a split of one era keeps it
         self.delete_passed, self.encoder, self.log = delete_passed, encoder, log
         self.wait_seconds = 0.0  # waited for eras since the training loop last took it
         self._layout = cache.layout(seed, seq_len)
@@ -339,6 +267,9 @@ class Reader:
                 return None
             if ended and (tokens := self.cache.verified(era)) is not None:
                 break
+            if not self.cache.encoded_beside_training:  # nothing would build it: encoded before the first step
+                raise DataError(f"the training split's {self.cache.paths(0)[0]} is gone; run the same command to "
+                                f"resume (it is encoded again)")
             if ended and self.encoder.returncode == 0:
                 raise DataError(f"era {era} is not in {self.cache.directory}, and the era encoder has ended, its "
                                 f"work done: something else deleted it; run the same command to resume (it is "
@@ -358,6 +289,11 @@ class Reader:
         return tokens
 
     def batch(self, step: int, batch_size: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+        """This process's rows of the step's batch: int32 [batch_size // process_count, seq_len + 1]."""
+        rows = batcher.local_rows(batch_size, process_index, process_count)
+        if self.order == "random":
+            return batcher.random_windows(self._era(0, step), seed=self.seed, step=step, batch_size=batch_size,
+                                          seq_len=self.seq_len, rows=rows)
         positions = np.arange(step * batch_size, (step + 1) * batch_size)
         while True:
             final, layout = self._final, self.layout()
@@ -368,7 +304,6 @@ class Reader:
             # A stream that ended short (its end recorded before the last era's manifest) changes the layout.
             if all(tokens is not None for tokens in eras.values()) and self.layout() is layout and final == self._final:
                 break
-        rows = batcher.local_rows(batch_size, process_index, process_count)
         return batcher.read_windows(eras, eras_of_step[rows], offsets[rows], self.seq_len)
 
     def _window(self, layout: order.Layout, first: int, last: int) -> None:
@@ -403,7 +338,7 @@ def required_space(cache: EraCache, keep_eras: int) -> int:
     """Bytes the eras still to write need: keep_eras + 1 of them at once, else all."""
     count = -(-cache.planned_tokens // cache.era_tokens)
     at_once = min(count, keep_eras + 1) if keep_eras else count
-    on_disk = sum(os.path.getsize(cache.paths(era)[0]) for era in cache.on_disk() if cache.load(era) is not None)
+    on_disk = sum(os.path.getsize(cache.paths(era)[0]) for era in cache.on_disk() if cache.built(era))
     return max(0, at_once * cache.era_tokens * TOKEN_BYTES - on_disk)
 
 

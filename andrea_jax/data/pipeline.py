@@ -1,4 +1,5 @@
-"""`prepare`: config -> tokenizer (in the workdir) + train and validation token caches.
+"""`prepare`: config -> source -> tokenizer (in the workdir) -> the training split's eras and the validation
+split's token file -> the workdir's record of them.
 
 The leading process opens the source, trains or loads the tokenizer and builds
 the caches; the others then read what it wrote (so the workdir and
@@ -21,7 +22,7 @@ from andrea_jax.runtime import atomic
 from andrea_jax.data import DataError, batcher, eras, hf_stream, local_files, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.sources import Documents
-from andrea_jax.data.token_cache import TokenSplit
+from andrea_jax.data.token_cache import TokenSplit, cache_directory
 from andrea_jax.data.tokenizer import Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -33,7 +34,7 @@ _READ_DOCUMENTS = 256
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     tokenizer: Tokenizer
-    train: TokenSplit | eras.EraCache  # eras: a streamed split in data.order="epochs", built beside training
+    train: eras.EraCache
     val: TokenSplit
 
 
@@ -70,19 +71,32 @@ def open_splits(config: ml_collections.ConfigDict) -> sources.Splits:
     return open_source(config.data, eras.tokens_for_windows(windows, seq_len, int(config.data.era_windows)))
 
 
-def uses_eras(config: ml_collections.ConfigDict, splits: sources.Splits) -> bool:
-    """Whether the training split is cached in eras: a stream read in data.order="epochs"."""
-    return config.data.order == "epochs" and isinstance(splits.train, sources.StreamedDocuments)
+def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources.Splits,
+                tokenizer: Tokenizer) -> eras.EraCache:
+    """The training split's eras. A stream read in data.order="epochs": eras built beside training by the
+    encoder process, the run's own (keyed by the id in the workdir's record). Any other split: one era, built
+    here if missing, before the first step, and shared by the runs of its source (keyed by what it holds: the
+    source, the tokenizer and a stream's token budget)."""
+    cache_dir = sources.cache_dir_of(config.data)
+    if config.data.order == "epochs" and isinstance(splits.train, sources.StreamedDocuments):
+        size, record_path = eras.era_tokens(config.data, int(config.seq_len)), os.path.join(workdir, eras.RECORD_FILE)
+        record = eras.start_record(record_path, splits.identity, size, splits.train_tokens)
+        identity = {**splits.identity, "run": record["run"], "era_tokens": size}
+        return eras.EraCache(cache_directory(cache_dir, identity, tokenizer.sha256), record_path, size,
+                             int(record["planned_tokens"]))
+    identity = {**splits.identity, "train_tokens": splits.train_tokens} if splits.train_tokens else splits.identity
+    directory = cache_directory(cache_dir, identity, tokenizer.sha256)
+    whole = token_cache.load_or_build(directory, "train", splits.train, tokenizer, "train", splits.train_tokens)
+    return eras.EraCache(directory, os.path.join(workdir, eras.RECORD_FILE), 0, whole.num_tokens)
 
 
-def era_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources.Splits,
-              tokenizer: Tokenizer) -> eras.EraCache:
-    """The eras of a streamed training split: its run's (the workdir's record), keyed like a token cache."""
-    size, record_path = eras.era_tokens(config.data, int(config.seq_len)), os.path.join(workdir, eras.RECORD_FILE)
-    record = eras.start_record(record_path, splits.identity, size, splits.train_tokens)
-    identity = {**splits.identity, "run": record["run"], "era_tokens": size}
-    directory = token_cache.cache_directory(sources.cache_dir_of(config.data), identity, tokenizer.sha256)
-    return eras.EraCache(directory, record_path, size, int(record["planned_tokens"]))
+def validation_split(config: ml_collections.ConfigDict, splits: sources.Splits, tokenizer: Tokenizer,
+                     build: bool = True) -> TokenSplit:
+    """The validation split's token file, keyed by the source and the tokenizer. Built if missing; without
+    `build` (a process reading what the leading one built) a missing one is a DataError."""
+    directory = cache_directory(sources.cache_dir_of(config.data), splits.identity, tokenizer.sha256)
+    return token_cache.load_or_build(directory, "val", splits.val, tokenizer, "val") if build \
+        else _built_by_the_leader(directory)
 
 
 def _texts(documents: Documents, start: int = 0, stop: int = sys.maxsize) -> Iterator[str]:
@@ -159,58 +173,38 @@ def tokenizer_for_run(config: ml_collections.ConfigDict, workdir: str, train: Do
     return tokenizer, not resumed
 
 
-def token_split(config: ml_collections.ConfigDict, splits: sources.Splits, tokenizer: Tokenizer,
-                split: str, build: bool = True) -> TokenSplit:
-    """The token cache of `split` ("train" or "val"), keyed by what it holds: the source, the tokenizer
-    and, for a stream's training split, its token budget. Built if missing; without `build` (a process
-    reading what the leading one built) a missing cache is a DataError."""
-    max_tokens = splits.train_tokens if split == "train" else 0
-    identity = {**splits.identity, "train_tokens": max_tokens} if max_tokens else splits.identity
-    directory = token_cache.cache_directory(sources.cache_dir_of(config.data), identity, tokenizer.sha256)
-    if not build:
-        return _built_by_the_leader(directory, split)
-    return token_cache.load_or_build(getattr(splits, split), tokenizer, directory, split, identity,
-                                     max_tokens=max_tokens)
-
-
-def _built_by_the_leader(directory: str, split: str) -> TokenSplit:
-    cached, problem = token_cache.load(directory, split)
-    if cached is None:
-        raise DataError(f"the {split} token cache in {directory} is unusable ({problem or 'missing'}); "
-                        f"put data.cache_dir on a filesystem all processes share")
-    return cached
+def _built_by_the_leader(directory: str) -> TokenSplit:
+    fix = "put data.cache_dir on a filesystem all processes share"
+    split = token_cache.read(os.path.join(directory, "val.bin"), os.path.join(directory, "val.json"), fix)
+    if split is None:
+        raise DataError(f"the validation token cache in {directory} is missing; {fix}")
+    return split
 
 
 def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
     os.makedirs(workdir, exist_ok=True)
     splits = open_splits(config)
-    in_eras = uses_eras(config, splits)
-    if splits.train_tokens and not os.path.exists(os.path.join(workdir, TOKENIZER_FILE)):
-        # A new tokenizer may stream its sample first: the disk is checked before that, for the
-        # whole training cache or the eras kept at once (the build checks again, counting what it has finished).
-        eras_at_once = (int(config.data.keep_eras) + 1) * eras.era_tokens(config.data, int(config.seq_len))
-        if in_eras:
-            to_write = min(splits.train_tokens, eras_at_once) if int(config.data.keep_eras) else splits.train_tokens
-        else:  # a cache built before, whole or in part, by another run of this source
-            identity = {**splits.identity, "train_tokens": splits.train_tokens}
-            to_write = splits.train_tokens - token_cache.tokens_on_disk(sources.cache_dir_of(config.data), identity)
-        token_cache.require_space(sources.cache_dir_of(config.data), to_write * token_cache.TOKEN_BYTES)
+    cache_dir, era_size, keep_eras = sources.cache_dir_of(config.data), eras.era_tokens(config.data, int(config.seq_len)), \
+        int(config.data.keep_eras)
+    if splits.train_tokens and config.data.order == "epochs" and not os.path.exists(os.path.join(workdir, TOKENIZER_FILE)):
+        # A new tokenizer may stream its sample first: the disk is checked before that, for the eras kept at
+        # once (the encoder checks again, counting what is on disk).
+        at_once = min(splits.train_tokens, (keep_eras + 1) * era_size) if keep_eras else splits.train_tokens
+        token_cache.require_space(cache_dir, at_once * token_cache.TOKEN_BYTES)
     tokenizer, new_tokenizer = tokenizer_for_run(config, workdir, splits.train)
-    if in_eras:  # era 0 and the rest are built by the encoder process the training loop starts
+    train = train_cache(config, workdir, splits, tokenizer)
+    if train.encoded_beside_training:  # era 0 and the rest are built by the encoder process the training loop starts
         if not any(splits.train.read(0, _READ_DOCUMENTS)):
             raise DataError(token_cache.no_text("train"))
-        train = era_cache(config, workdir, splits, tokenizer)
         if train.planned_tokens != splits.train_tokens:  # said here, not again by the encoder process
             print(f"the run's eras were planned for {train.planned_tokens:,} tokens of the stream, and it keeps "
                   f"them (these steps would plan {splits.train_tokens:,}; more steps read them again)", flush=True)
-        eras.check_space(train, int(config.data.keep_eras))
-    else:
-        train = token_split(config, splits, tokenizer, "train")
-    val = token_split(config, splits, tokenizer, "val")
+        eras.check_space(train, keep_eras)
+    elif train.planned_tokens < int(config.seq_len) + 1:
+        raise DataError(f"the training split has {train.planned_tokens} tokens, fewer than seq_len + 1 "
+                        f"= {int(config.seq_len) + 1}; add text or lower seq_len")
+    val = validation_split(config, splits, tokenizer)
     seq_len, batch_size = int(config.seq_len), int(config.batch_size)
-    if not in_eras and train.num_tokens < seq_len + 1:
-        raise DataError(f"the training split has {train.num_tokens} tokens, fewer than seq_len + 1 "
-                        f"= {seq_len + 1}; add text or lower seq_len")
     if batcher.num_val_batches(val.num_tokens, batch_size, seq_len) < 1:
         raise DataError(
             f"the validation split has {val.num_tokens} tokens, less than one batch of "
@@ -218,11 +212,9 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepa
             f"(data.stream_val_documents for hf:), add text, or lower batch_size or seq_len")
     if new_tokenizer:  # saved once the data is known to train on: a refused run leaves none to reuse
         tokenizer.save(os.path.join(workdir, TOKENIZER_FILE))
-    record = {"cache_directories": {"train": train.directory if in_eras else os.path.dirname(train.path),
-                                    "val": os.path.dirname(val.path)},
-              "tokenizer_sha256": tokenizer.sha256, "source": splits.identity,
-              **({"train_eras": {key: value for key, value in dataclasses.asdict(train).items()
-                                 if key != "record_path"}} if in_eras else {})}  # the workdir may move
+    record = {"train_eras": {key: value for key, value in dataclasses.asdict(train).items() if key != "record_path"},
+              "validation_directory": os.path.dirname(val.path),  # the workdir may move: no record_path
+              "tokenizer_sha256": tokenizer.sha256, "source": splits.identity}
     atomic.write(os.path.join(workdir, RECORD_FILE), json.dumps(record, indent=1))
     return Prepared(tokenizer, train, val)
 
@@ -237,11 +229,10 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = T
     try:
         with open(record_path, encoding="utf-8") as f:
             record = json.load(f)
-        directories = record["cache_directories"]
-    except (OSError, ValueError, KeyError) as error:
+        train = eras.EraCache(**record["train_eras"], record_path=os.path.join(workdir, eras.RECORD_FILE))
+        validation_directory = record["validation_directory"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
         raise DataError(f"cannot read {record_path} ({error}); the leading process must prepare "
                         f"the data first, in a workdir all processes share") from None
     tokenizer = tokenizers.load(os.path.join(workdir, TOKENIZER_FILE))  # the leader checked it against the config
-    train = eras.EraCache(**record["train_eras"], record_path=os.path.join(workdir, eras.RECORD_FILE)) \
-        if "train_eras" in record else _built_by_the_leader(directories["train"], "train")
-    return Prepared(tokenizer, train, _built_by_the_leader(directories["val"], "val"))
+    return Prepared(tokenizer, train, _built_by_the_leader(validation_directory))

@@ -38,8 +38,22 @@ def cache_dir_of(data: ml_collections.ConfigDict) -> str:
     return os.path.expanduser(data.cache_dir or "~/.cache/andrea_jax")
 
 
+class _RandomAccess:
+    """A finite split's documents, read at any position: the stream interface a token file's build uses,
+    with nothing to resume."""
+
+    def state_at(self, position: int) -> None:
+        return None
+
+    def resume(self, position: int, state: None) -> None:
+        pass
+
+    def revision(self) -> None:
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
-class DataSourceDocuments:
+class DataSourceDocuments(_RandomAccess):
     """Field `field` of the records of a TFDS-style data source, optionally every k-th one (or all but those)."""
 
     source: Sequence  # with __getitems__(positions) -> records
@@ -60,7 +74,7 @@ class DataSourceDocuments:
         return [t.decode("utf-8", "replace") if isinstance(t, bytes) else str(t) for t in texts]  # TFDS Text: bytes
 
 
-class ListDocuments(list):
+class ListDocuments(_RandomAccess, list):
     def read(self, start: int, stop: int) -> list[str]:
         return self[start:stop]
 
@@ -71,8 +85,8 @@ class StreamedDocuments:
 
     A stream whose iterator has `state()` (a Hugging Face stream) is resumable: `state_at(position)`
     is its state after a recent read that ended there, and `resume(position, state)` makes the next
-    read open it there through `open_texts(state)`, with no document before it read again (a token
-    cache build goes on from its last chunk). Opening, resumed or not, is part of the read: a read that
+    read open it there through `open_texts(state)`, with no document before it read again (an era's
+    build starts where the era does). Opening, resumed or not, is part of the read: a read that
     fails with an error `transient` accepts (a timeout, a 5xx) is retried after each of RETRY_DELAYS_S
     from the last known state, then reported in one line.
     """
@@ -125,8 +139,8 @@ class StreamedDocuments:
                 reason = " ".join(str(error).split())[:200] or type(error).__name__
                 if delay is None:
                     raise DataError(f"{self.described} failed {len(self.RETRY_DELAYS_S) + 1} times in a row "
-                                    f"({reason}); run the same command again when it answers (a token cache "
-                                    f"build goes on from its last finished chunk)") from None
+                                    f"({reason}); run the same command again when it answers (the eras "
+                                    f"encoded so far are kept)") from None
                 print(f"{self.described} failed ({reason}); trying again in {delay} s", flush=True)
                 time.sleep(delay)
                 after_failure()

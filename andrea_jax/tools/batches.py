@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from andrea_jax import UserError, run_dir
-from andrea_jax.data import DataError, batcher, eras, order, pipeline, token_cache
+from andrea_jax.data import DataError, batcher, eras, pipeline
 from andrea_jax.data import tokenizer as tokenizers
 
 _TEXT_CHARACTERS = 60
@@ -47,34 +47,27 @@ class RunWindows:
             record = json.load(f)
         self.config, self.workdir = config, workdir
         self.seed, self.seq_len, self.batch_size = int(config.seed), int(config.seq_len), int(config.batch_size)
-        if "train_eras" in record:
-            self.cache = eras.EraCache(**record["train_eras"], record_path=os.path.join(workdir, eras.RECORD_FILE))
-            self.layout, self.era_tokens = self.cache.layout(self.seed, self.seq_len), self.cache.era_tokens
-            self.tokens_of = self.cache.load
-        else:
-            split, problem = token_cache.load(record["cache_directories"]["train"], "train")
-            if split is None:
-                raise DataError(f"the training cache of {workdir} is gone ({problem or 'missing'}); run train.py "
-                                f"on the workdir once to build it again")
-            self.layout = order.Layout(split.num_tokens, self.seq_len, 0, self.seed)
-            self.era_tokens, self.tokens_of = split.num_tokens, lambda era: split.tokens
-            self.split = split
+        if "train_eras" not in record:
+            raise DataError(f"{record_path} is of an older layout; run train.py on the workdir once (it resumes "
+                            f"where it stopped and records its data anew)")
+        self.cache = eras.EraCache(**record["train_eras"], record_path=os.path.join(workdir, eras.RECORD_FILE))
+        self.layout = self.cache.layout(self.seed, self.seq_len)
 
     def windows(self, step: int) -> list[tuple[int, int]]:
         """Step `step` (1 = the first)'s windows: (era, offset of its first token in the split)."""
         index = step - 1
         if self.config.data.order == "random":
-            num_windows = self.split.num_tokens - self.seq_len
+            num_windows = self.layout.total_tokens - self.seq_len
             starts = batcher.random_starts(self.seed, index, num_windows, self.batch_size)
             return [(0, int(start)) for start in starts]
         _, era_of, offset_of = self.layout.locate(np.arange(index * self.batch_size, (index + 1) * self.batch_size))
-        return [(int(era), int(era) * self.era_tokens + int(offset)) for era, offset in zip(era_of, offset_of)]
+        return [(int(era), int(era) * self.layout.era_tokens + int(offset)) for era, offset in zip(era_of, offset_of)]
 
     def tokens(self, era: int, offset: int) -> np.ndarray | None:
-        tokens = self.tokens_of(era)
+        tokens = self.cache.verified(era)
         if tokens is None:
             return None
-        start = offset - era * self.era_tokens
+        start = offset - era * self.layout.era_tokens
         return np.asarray(tokens[start:start + self.seq_len + 1])
 
 
