@@ -101,6 +101,10 @@ def test_other_processes_read_what_the_leader_wrote(tmp_path):
     assert follower.tokenizer.sha256 == leader.tokenizer.sha256
     np.testing.assert_array_equal(follower.val.tokens, leader.val.tokens)
     assert follower.train == leader.train
+    os.remove(leader.train.paths(0)[1])  # a cache_dir this process does not share with the leader
+    with pytest.raises(DataError, match=r"^the training token cache in .* is missing; put data.cache_dir on a "
+                                        r"filesystem all processes share$"):
+        pipeline.prepare(config, str(tmp_path / "run"), is_leader=False)
 
 
 def test_vocabulary_size_must_match_the_model(tmp_path):
@@ -225,3 +229,16 @@ def test_a_cache_an_older_commit_wrote_is_read_as_it_is(tmp_path, capsys):
     assert capsys.readouterr().out == ""  # nothing encoded again
     assert again.train == first.train and whole_train(again).manifest == older
     np.testing.assert_array_equal(whole_train(again).tokens, train.tokens)
+
+
+def test_a_changed_cache_in_a_directory_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus', num_files=20)}")
+    first = pipeline.prepare(config, str(tmp_path / "run"))
+    with open(first.train.paths(0)[0], "r+b") as f:
+        f.truncate(100)
+    monkeypatch.setattr(token_cache.os, "access", lambda path, mode: False)  # as a read-only mount, even for root
+    with pytest.raises(DataError, match=r"^.*train\.bin was changed after it was encoded \(100 bytes of tokens where "
+                                        r"its manifest says [\d,]+\), in a directory this process cannot write; make "
+                                        r".* writable or point data.cache_dir elsewhere$"):
+        pipeline.prepare(config, str(tmp_path / "run"))
+    assert os.path.exists(first.train.paths(0)[1])  # nothing deleted

@@ -99,7 +99,9 @@ class EraCache:
         in one line."""
         fix = (f"delete {os.path.basename(self.paths(era)[1])} there and run the same command to resume: the era is "
                f"encoded again")
-        split = token_cache.read(*self.paths(era), fix, f"era {era} of the training split in {self.directory}")
+        # A split of one era was checked when it was prepared, before the first step.
+        split = token_cache.read(*self.paths(era), fix, f"era {era} of the training split in {self.directory}",
+                                 checksum=self.encoded_beside_training)
         return None if split is None else split.tokens
 
     def manifest(self, era: int) -> dict:
@@ -244,7 +246,7 @@ class Reader:
         self.delete_passed, self.encoder, self.log = delete_passed, encoder, log
         self.wait_seconds = 0.0  # waited for eras since the training loop last took it
         self._layout = cache.layout(seed, seq_len)
-        self._final = False  # the stream's end is known: the layout no longer changes
+        self._final = not cache.encoded_beside_training  # the stream's end is known: the layout no longer changes
         self._open: dict[int, np.ndarray] = {}
         self._position: tuple[int, int] | None = None
 

@@ -2,14 +2,15 @@
 
 The dataset's files are read in order and only as far as the run tokenizes, so a run
 downloads about what it uses. Training takes `data.stream_tokens` tokens, 0 meaning what the
-run's steps read (`pipeline.open_splits`); the training token cache (or its eras) stops there, and the amount is part of its key (not of validation's, so that a
-resume with more steps or an evaluation at another seq_len finds validation's cache).
+run's steps read (`pipeline.open_splits`); the training split's eras stop there, and the amount is part
+of their key (not of validation's, so that a resume with more steps or an evaluation at another seq_len
+finds validation's cache).
 Validation is the first `data.stream_val_documents` documents of the dataset's
 `data.val_split` when it has one, else the first documents of the training split, which
 training then skips: no document is in both. The BPE sample is the first `data.tokenizer_train_bytes` of the training text.
 Nothing is opened before a cache needs building, so a resume whose caches exist reads nothing.
-A stream's reads record its state (`datasets`' `state_dict`), so a token cache build that stops
-goes on from its last finished chunk without streaming what came before it, and a timeout or a
+A stream's reads record its state (`datasets`' `state_dict`), so an era's build opens the stream
+where the era starts without streaming what came before it, and a timeout or a
 5xx from the hub is retried from the last read (`sources.StreamedDocuments`). Errors no retry mends
 (offline mode, a TLS certificate this machine does not trust, a proxy asking for credentials) stop
 the run at once with one line that names the fix; the hub's own client is tried once before the

@@ -173,12 +173,12 @@ def tokenizer_for_run(config: ml_collections.ConfigDict, workdir: str, train: Do
     return tokenizer, not resumed
 
 
-def _built_by_the_leader(directory: str) -> TokenSplit:
+def _built_by_the_leader(directory: str, name: str = "val", split: str = "validation") -> TokenSplit:
     fix = "put data.cache_dir on a filesystem all processes share"
-    split = token_cache.read(os.path.join(directory, "val.bin"), os.path.join(directory, "val.json"), fix)
-    if split is None:
-        raise DataError(f"the validation token cache in {directory} is missing; {fix}")
-    return split
+    built = token_cache.read(os.path.join(directory, f"{name}.bin"), os.path.join(directory, f"{name}.json"), fix)
+    if built is None:
+        raise DataError(f"the {split} token cache in {directory} is missing; {fix}")
+    return built
 
 
 def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
@@ -186,10 +186,11 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepa
     splits = open_splits(config)
     cache_dir, era_size, keep_eras = sources.cache_dir_of(config.data), eras.era_tokens(config.data, int(config.seq_len)), \
         int(config.data.keep_eras)
-    if splits.train_tokens and config.data.order == "epochs" and not os.path.exists(os.path.join(workdir, TOKENIZER_FILE)):
+    if splits.train_tokens and not os.path.exists(os.path.join(workdir, TOKENIZER_FILE)):
         # A new tokenizer may stream its sample first: the disk is checked before that, for the eras kept at
-        # once (the encoder checks again, counting what is on disk).
-        at_once = min(splits.train_tokens, (keep_eras + 1) * era_size) if keep_eras else splits.train_tokens
+        # once (the encoder checks again, counting what is on disk), or a random order's whole budget.
+        kept = keep_eras and config.data.order == "epochs"
+        at_once = min(splits.train_tokens, (keep_eras + 1) * era_size) if kept else splits.train_tokens
         token_cache.require_space(cache_dir, at_once * token_cache.TOKEN_BYTES)
     tokenizer, new_tokenizer = tokenizer_for_run(config, workdir, splits.train)
     train = train_cache(config, workdir, splits, tokenizer)
@@ -235,4 +236,6 @@ def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = T
         raise DataError(f"cannot read {record_path} ({error}); the leading process must prepare "
                         f"the data first, in a workdir all processes share") from None
     tokenizer = tokenizers.load(os.path.join(workdir, TOKENIZER_FILE))  # the leader checked it against the config
+    if not train.encoded_beside_training:
+        _built_by_the_leader(train.directory, "train", "training")
     return Prepared(tokenizer, train, _built_by_the_leader(validation_directory))

@@ -84,10 +84,10 @@ def crc32(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
     return crc
 
 
-def read(tokens_path: str, manifest_path: str, fix: str, described: str = "") -> TokenSplit | None:
+def read(tokens_path: str, manifest_path: str, fix: str, described: str = "", checksum: bool = True) -> TokenSplit | None:
     """The file's tokens (a read-only memmap) once its manifest is written, else None; a file that is not what
-    its manifest describes (shortened, removed or overwritten since) is a DataError about `described` (default:
-    the file) ending in `fix`."""
+    its manifest describes (shortened, removed or, `checksum` checked, overwritten since) is a DataError about
+    `described` (default: the file) ending in `fix`."""
     try:
         with open(manifest_path, encoding="utf-8") as f:
             manifest = json.load(f)
@@ -103,7 +103,7 @@ def read(tokens_path: str, manifest_path: str, fix: str, described: str = "") ->
         found = f"{size:,} bytes of tokens where its manifest says {num_tokens * TOKEN_BYTES:,}"
     else:
         tokens = np.memmap(tokens_path, dtype=TOKEN_DTYPE, mode="r", shape=(num_tokens,))
-        if "crc32" not in manifest or crc32(tokens) == manifest["crc32"]:  # files of older runs have none
+        if not checksum or "crc32" not in manifest or crc32(tokens) == manifest["crc32"]:  # older files have none
             return TokenSplit(tokens, num_tokens, int(manifest.get("num_bytes", 0)), manifest, tokens_path)
         found = "tokens that are not those its manifest's checksum describes"
     raise DataError(f"{described or tokens_path} was changed after it was encoded ({found}); {fix}")
@@ -214,6 +214,9 @@ def load_or_build(directory: str, name: str, documents: Documents, tokenizer: To
             if (cached := read(tokens_path, manifest_path, rebuild)) is not None:  # another process built it
                 return cached
         except DataError as error:
+            if not os.access(directory, os.W_OK):
+                raise DataError(f"{error.args[0].split(';')[0]}, in a directory this process cannot write; make "
+                                f"{directory} writable or point data.cache_dir elsewhere") from None
             print(f"{error}", flush=True)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(manifest_path)  # the file stops looking complete first
@@ -226,4 +229,4 @@ def load_or_build(directory: str, name: str, documents: Documents, tokenizer: To
             print(f"note: the {split} split ends after {manifest['num_tokens']:,} tokens, fewer than the "
                   f"{max_tokens:,} asked for; the run repeats its text more often", flush=True)
         atomic.write(manifest_path, json.dumps({"split": split, **manifest}, indent=1))
-        return read(tokens_path, manifest_path, rebuild)
+        return read(tokens_path, manifest_path, rebuild, checksum=False)  # its checksum was just computed

@@ -47,11 +47,19 @@ class RunWindows:
             record = json.load(f)
         self.config, self.workdir = config, workdir
         self.seed, self.seq_len, self.batch_size = int(config.seed), int(config.seq_len), int(config.batch_size)
-        if "train_eras" not in record:
-            raise DataError(f"{record_path} is of an older layout; run train.py on the workdir once (it resumes "
-                            f"where it stopped and records its data anew)")
-        self.cache = eras.EraCache(**record["train_eras"], record_path=os.path.join(workdir, eras.RECORD_FILE))
+        eras_record = os.path.join(workdir, eras.RECORD_FILE)
+        if "train_eras" in record:
+            self.cache = eras.EraCache(**record["train_eras"], record_path=eras_record)
+        else:  # recorded before every training split was eras: a finite one's whole cache, one era
+            directory = record["cache_directories"]["train"]
+            try:
+                with open(os.path.join(directory, "train.json"), encoding="utf-8") as f:
+                    self.cache = eras.EraCache(directory, eras_record, 0, int(json.load(f)["num_tokens"]))
+            except (OSError, ValueError, KeyError) as error:
+                raise DataError(f"the training cache of {workdir} is unreadable ({error}); run train.py on the "
+                                f"workdir once to build it again") from None
         self.layout = self.cache.layout(self.seed, self.seq_len)
+        self._open: dict[int, np.ndarray | None] = {}
 
     def windows(self, step: int) -> list[tuple[int, int]]:
         """Step `step` (1 = the first)'s windows: (era, offset of its first token in the split)."""
@@ -64,7 +72,9 @@ class RunWindows:
         return [(int(era), int(era) * self.layout.era_tokens + int(offset)) for era, offset in zip(era_of, offset_of)]
 
     def tokens(self, era: int, offset: int) -> np.ndarray | None:
-        tokens = self.cache.verified(era)
+        if era not in self._open:
+            self._open[era] = self.cache.verified(era)
+        tokens = self._open[era]
         if tokens is None:
             return None
         start = offset - era * self.layout.era_tokens
