@@ -77,7 +77,7 @@ def _main() -> None:
     alive = lambda: os.getppid() == parent  # elsewhere: stop at the next check
     splits = pipeline.open_splits(config)
     tokenizer = tokenizers.load(os.path.join(arguments.workdir, pipeline.TOKENIZER_FILE))
-    cache = pipeline.train_cache(config, arguments.workdir, splits, tokenizer)
+    cache = pipeline.train_cache(config, arguments.workdir, splits, tokenizer, preparing=False)
     eras.encode(cache, splits.train, tokenizer, lambda: cache.layout(int(config.seed), int(config.seq_len)),
                 int(config.batch_size), arguments.first_step, int(config.steps) - 1, int(config.data.keep_eras),
                 alive, lambda line: print(line, flush=True))

@@ -71,22 +71,35 @@ def open_splits(config: ml_collections.ConfigDict) -> sources.Splits:
     return open_source(config.data, eras.tokens_for_windows(windows, seq_len, int(config.data.era_windows)))
 
 
-def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources.Splits,
-                tokenizer: Tokenizer) -> eras.EraCache:
+def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources.Splits, tokenizer: Tokenizer,
+                preparing: bool = True) -> eras.EraCache:
     """The training split's eras. A stream read in data.order="epochs": eras built beside training by the
-    encoder process, the run's own (keyed by the id in the workdir's record). Any other split: one era, built
-    here if missing, before the first step, and shared by the runs of its source (keyed by what it holds: the
-    source, the tokenizer and a stream's token budget)."""
-    cache_dir = sources.cache_dir_of(config.data)
+    encoder process, the run's own (keyed by the id in the workdir's record); `preparing` (the leader's
+    preparation, not the encoder process opening the same eras) checks the stream's start for text and the disk
+    for the eras, and says once that a resume keeps the budget it planned. Any other split: one era, built here
+    if missing, before the first step, and shared by the runs of its source (keyed by what it holds: the source,
+    the tokenizer and a stream's token budget)."""
+    cache_dir, seq_len = sources.cache_dir_of(config.data), int(config.seq_len)
     if config.data.order == "epochs" and isinstance(splits.train, sources.StreamedDocuments):
-        size, record_path = eras.era_tokens(config.data, int(config.seq_len)), os.path.join(workdir, eras.RECORD_FILE)
+        if preparing and not any(splits.train.read(0, _READ_DOCUMENTS)):
+            raise DataError(token_cache.no_text("train"))
+        size, record_path = eras.era_tokens(config.data, seq_len), os.path.join(workdir, eras.RECORD_FILE)
         record = eras.start_record(record_path, splits.identity, size, splits.train_tokens)
         identity = {**splits.identity, "run": record["run"], "era_tokens": size}
-        return eras.EraCache(cache_directory(cache_dir, identity, tokenizer.sha256), record_path, size,
-                             int(record["planned_tokens"]))
+        cache = eras.EraCache(cache_directory(cache_dir, identity, tokenizer.sha256), record_path, size,
+                              int(record["planned_tokens"]))
+        if preparing and cache.planned_tokens != splits.train_tokens:
+            print(f"the run's eras were planned for {cache.planned_tokens:,} tokens of the stream, and it keeps "
+                  f"them (these steps would plan {splits.train_tokens:,}; more steps read them again)", flush=True)
+        if preparing:
+            eras.check_space(cache, int(config.data.keep_eras))
+        return cache
     identity = {**splits.identity, "train_tokens": splits.train_tokens} if splits.train_tokens else splits.identity
     directory = cache_directory(cache_dir, identity, tokenizer.sha256)
     whole = token_cache.load_or_build(directory, "train", splits.train, tokenizer, "train", splits.train_tokens)
+    if whole.num_tokens < seq_len + 1:
+        raise DataError(f"the training split has {whole.num_tokens} tokens, fewer than seq_len + 1 "
+                        f"= {seq_len + 1}; add text or lower seq_len")
     return eras.EraCache(directory, os.path.join(workdir, eras.RECORD_FILE), 0, whole.num_tokens)
 
 
@@ -193,17 +206,7 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepa
         at_once = min(splits.train_tokens, (keep_eras + 1) * era_size) if kept else splits.train_tokens
         token_cache.require_space(cache_dir, at_once * token_cache.TOKEN_BYTES)
     tokenizer, new_tokenizer = tokenizer_for_run(config, workdir, splits.train)
-    train = train_cache(config, workdir, splits, tokenizer)
-    if train.encoded_beside_training:  # era 0 and the rest are built by the encoder process the training loop starts
-        if not any(splits.train.read(0, _READ_DOCUMENTS)):
-            raise DataError(token_cache.no_text("train"))
-        if train.planned_tokens != splits.train_tokens:  # said here, not again by the encoder process
-            print(f"the run's eras were planned for {train.planned_tokens:,} tokens of the stream, and it keeps "
-                  f"them (these steps would plan {splits.train_tokens:,}; more steps read them again)", flush=True)
-        eras.check_space(train, keep_eras)
-    elif train.planned_tokens < int(config.seq_len) + 1:
-        raise DataError(f"the training split has {train.planned_tokens} tokens, fewer than seq_len + 1 "
-                        f"= {int(config.seq_len) + 1}; add text or lower seq_len")
+    train = train_cache(config, workdir, splits, tokenizer)  # era 0 of a stream: by the encoder the loop starts
     val = validation_split(config, splits, tokenizer)
     seq_len, batch_size = int(config.seq_len), int(config.batch_size)
     if batcher.num_val_batches(val.num_tokens, batch_size, seq_len) < 1:
