@@ -16,7 +16,6 @@ import pytest
 
 from andrea_jax import metrics
 from andrea_jax.data import eras, pipeline, token_cache
-from andrea_jax.data.tokenizer import ByteTokenizer
 from andrea_jax.run_dir import save_config
 from tests.test_hf_stream import byte_tokens, make_config, write_jsonl
 from tests.test_resume import checkpoint_steps, logged, wait_for

@@ -4,8 +4,9 @@ A finite split, and a stream's budget read in data.order="random", is one era (`
 before the first step and shared by the runs of its source. A stream read in data.order="epochs" is
 cut in eras built by an encoder beside the training loop, the run's own. Era k is tokens
 [k·era_tokens, (k + 1)·era_tokens) of the split (`order.py` cuts its windows), in `<cache>/train.era<k>.bin`
-with a manifest `train.era<k>.json` written last: an era is there whole or not at all. Where each era starts in the stream (the document, the token inside it, the `datasets`
-state of a read at or before that document) is recorded in the workdir's `eras.json` as soon as the
+with a manifest `train.era<k>.json` written last: an era is there whole or not at all. Where each era
+starts in the stream (the document, the token inside it, the `datasets` state of a read at or before that
+document) is recorded in the workdir's `eras.json` as soon as the
 era before it is done, so a resume on a fresh machine with an empty cache opens the stream where the
 first era it needs starts, and builds only the eras from its step on. With `keep_eras`, the training
 loop deletes the eras its steps have passed and the encoder waits while that many are on disk.
@@ -153,8 +154,9 @@ def build_era(cache: EraCache, era: int, documents: StreamedDocuments, tokenizer
         return None, 0
     _record_start(cache, era + 1, next_start, final_tokens=None if next_start else era * cache.era_tokens + written)
     atomic.write(manifest_path, json.dumps({"era": era, **manifest}, indent=1))
-    log(f"era {era} encoded: {written:,} tokens in {seconds:.1f} s ({manifest['num_bytes'] / max(seconds, 1e-9) / 1e6:.1f} "
-        f"MB/s of text, {written / max(seconds, 1e-9) / 1e6:.2f} M tokens/s)")
+    per_second = lambda count: count / max(seconds, 1e-9) / 1e6
+    log(f"era {era} encoded: {written:,} tokens in {seconds:.1f} s ({per_second(manifest['num_bytes']):.1f} MB/s of "
+        f"text, {per_second(written):.2f} M tokens/s)")
     return next_start, written
 
 
@@ -185,7 +187,7 @@ def start_record(record_path: str, identity: dict, era_tokens: int, planned_toke
     if not record:
         record = {"run": uuid.uuid4().hex[:12], "identity": identity, "era_tokens": era_tokens,
                   "planned_tokens": planned_tokens,
-                  "starts": {"0": {"document": 0, "token": 0, "state_position": 0, "state": None}}}
+                  "starts": {"0": dict(token_cache.START)}}
         os.makedirs(os.path.dirname(record_path) or ".", exist_ok=True)
         atomic.write(record_path, json.dumps(record))
     elif record["era_tokens"] != era_tokens or record["identity"] != identity:
@@ -236,7 +238,8 @@ def encode(cache: EraCache, documents: StreamedDocuments, tokenizer: Tokenizer, 
 class Reader:
     """The eras as the training loop reads them, in `data.order` ("random": windows drawn with replacement from
     a split of one era): waits for an era not built yet (saying which, and for how long). With `keep_eras`,
-    process 0 (`delete_passed`) says which eras the step being built reads (`EraCache.position_path`: the encoder builds up to them, and keep_eras from the first) and
+    process 0 (`delete_passed`) says which eras the step being built reads (`EraCache.position_path`: the
+    encoder builds up to them, and keep_eras from the first) and
     deletes the eras outside that window; every process lets go of those it no longer reads."""
 
     def __init__(self, cache: EraCache, seed: int, seq_len: int, keep_eras: int, delete_passed: bool,

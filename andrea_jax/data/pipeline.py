@@ -197,8 +197,8 @@ def _built_by_the_leader(directory: str, name: str = "val", split: str = "valida
 def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
     os.makedirs(workdir, exist_ok=True)
     splits = open_splits(config)
-    cache_dir, era_size, keep_eras = sources.cache_dir_of(config.data), eras.era_tokens(config.data, int(config.seq_len)), \
-        int(config.data.keep_eras)
+    cache_dir, keep_eras = sources.cache_dir_of(config.data), int(config.data.keep_eras)
+    era_size = eras.era_tokens(config.data, int(config.seq_len))
     if splits.train_tokens and not os.path.exists(os.path.join(workdir, TOKENIZER_FILE)):
         # A new tokenizer may stream its sample first: the disk is checked before that, for the eras kept at
         # once (the encoder checks again, counting what is on disk), or a random order's whole budget.

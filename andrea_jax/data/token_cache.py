@@ -84,7 +84,8 @@ def crc32(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
     return crc
 
 
-def read(tokens_path: str, manifest_path: str, fix: str, described: str = "", checksum: bool = True) -> TokenSplit | None:
+def read(tokens_path: str, manifest_path: str, fix: str, described: str = "",
+         checksum: bool = True) -> TokenSplit | None:
     """The file's tokens (a read-only memmap) once its manifest is written, else None; a file that is not what
     its manifest describes (shortened, removed or, `checksum` checked, overwritten since) is a DataError about
     `described` (default: the file) ending in `fix`."""
