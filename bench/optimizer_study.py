@@ -43,6 +43,12 @@ def arms(size: str, muon_rate: float) -> dict[str, dict]:
             "muon_wsd": dict(wsd, name="muon", learning_rate=muon_rate)}
 
 
+def run_directory(args, size: str, name: str, seed: int, muon_rate: float) -> str:
+    """Muon's runs are kept by their rate: the sweep's seed 0 at the chosen rate is the arm's own, and another
+    --muon_rate never reads runs of the last one."""
+    return os.path.join(args.root, size, f"{name}_{muon_rate:g}" if name == "muon_wsd" else name, f"seed{seed}")
+
+
 def config_for(size: str, seed: int, optimizer: dict, steps: int, args) -> "ml_collections.ConfigDict":
     c = CONFIGS[size]()
     c.seed, c.steps, c.eval_every = seed, steps, args.eval_every
@@ -76,7 +82,7 @@ def moved_end(size: str, seed: int, wsd_arm: dict, args) -> list[tuple[int, floa
     resumed with steps = 60% of the plan: the cooldown starts where that resume says."""
     steps = CONFIGS[size]().steps
     short = round(SHORT_FRACTION * steps)
-    full = os.path.join(args.root, size, "adamw_3x_wsd" if "name" not in wsd_arm else "muon_wsd", f"seed{seed}")
+    full = os.path.join(args.root, size, "adamw_3x_wsd", f"seed{seed}")
     workdir = os.path.join(args.root, size, "moved_end", f"seed{seed}")
     config = config_for(size, seed, wsd_arm, steps, args)
     config.steps, config.optimizer.cooldown_steps = short, round(COOLDOWN_FRACTION * short)
@@ -117,12 +123,12 @@ def main() -> None:
     if args.sweep:
         for rate in map(float, args.sweep.split(",")):
             arm = dict(arms(size, rate)["muon_wsd"])
-            curve = run(config_for(size, 0, arm, steps, args), os.path.join(args.root, size, f"sweep_muon_{rate:g}"))
+            curve = run(config_for(size, 0, arm, steps, args), run_directory(args, size, "muon_wsd", 0, rate))
             print(f"muon_wsd at {rate:g}: final val loss {curve[-1][1]:.4f}", flush=True)
         return
 
-    curves = {name: [run(config_for(size, seed, arm, steps, args), os.path.join(args.root, size, name, f"seed{seed}"))
-                     for seed in range(args.seeds)]
+    curves = {name: [run(config_for(size, seed, arm, steps, args),
+                         run_directory(args, size, name, seed, args.muon_rate)) for seed in range(args.seeds)]
               for name, arm in arms(size, args.muon_rate).items()}
     target = statistics.mean(curve[-1][1] for curve in curves["adamw_cosine"])
     short = round(SHORT_FRACTION * steps)
