@@ -2,14 +2,14 @@
 
     python bench/optimizer_study.py --size shakespeare_char --text PATH/TO/tinyshakespeare.txt
     python bench/optimizer_study.py --size tiny                      # the quick start's stdlib corpus
-    python bench/optimizer_study.py --size shakespeare_char --text ... --sweep   # Muon's rate, seed 0
+    python bench/optimizer_study.py --size shakespeare_char --text ... --sweep 1e-3,3e-3,1e-2   # Muon's rate, seed 0
 
 Each arm trains its config as `train.py` would (the project's own loop, evals every `--eval_every` steps) for
 each seed. Printed: the final validation loss of each arm (mean and spread over seeds) and the step at which
 each run first reaches the AdamW-cosine arm's mean final loss; then the end moved: the WSD run's checkpoint
 from its stable phase resumed with steps = 60% of the plan (its cooldown from there), against cosine runs
 planned for that length. Runs already finished in --root are read, not trained again. Writes
-bench/optimizer_study_<size>.json and, with both sizes present, docs/optimizer_study.png.
+bench/optimizer_study_<size>.json and docs/optimizer_study.png, one panel for each size's json in bench/.
 """
 
 from __future__ import annotations
