@@ -344,7 +344,7 @@ def test_a_resume_that_would_plan_other_eras_says_so_once(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("were planned for") == 1 and f"planned for {prepared.train.planned_tokens:,} tokens" in out
     splits = pipeline.open_splits(config)
-    pipeline.train_cache(config, workdir, splits, prepared.tokenizer, preparing=False)  # what the encoder process opens
+    pipeline.train_cache(config, workdir, splits, prepared.tokenizer, preparing=False)  # as the encoder process
     assert "were planned for" not in capsys.readouterr().out
 
 

@@ -6,10 +6,10 @@ cut in eras built by an encoder beside the training loop, the run's own. Era k i
 [k·era_tokens, (k + 1)·era_tokens) of the split (`order.py` cuts its windows), in `<cache>/train.era<k>.bin`
 with a manifest `train.era<k>.json` written last: an era is there whole or not at all. Where each era
 starts in the stream (the document, the token inside it, the `datasets` state of a read at or before that
-document) is recorded in the workdir's `eras.json` as soon as the
-era before it is done, so a resume on a fresh machine with an empty cache opens the stream where the
-first era it needs starts, and builds only the eras from its step on. With `keep_eras`, the training
-loop deletes the eras its steps have passed and the encoder waits while that many are on disk.
+document) is recorded in the workdir's `eras.json` as soon as the era before it is done, so a resume on a
+fresh machine with an empty cache opens the stream where the first era it needs starts, and builds only the
+eras from its step on. With `keep_eras`, the training loop deletes the eras its steps have passed and the
+encoder waits while that many are on disk.
 
 The encoder is its own process (`encoder.py`), so that encoding never takes the training loop's
 interpreter. A step whose era is not ready waits for it.
@@ -239,8 +239,8 @@ class Reader:
     """The eras as the training loop reads them, in `data.order` ("random": windows drawn with replacement from
     a split of one era): waits for an era not built yet (saying which, and for how long). With `keep_eras`,
     process 0 (`delete_passed`) says which eras the step being built reads (`EraCache.position_path`: the
-    encoder builds up to them, and keep_eras from the first) and
-    deletes the eras outside that window; every process lets go of those it no longer reads."""
+    encoder builds up to them, and keep_eras from the first) and deletes the eras outside that window; every
+    process lets go of those it no longer reads."""
 
     def __init__(self, cache: EraCache, seed: int, seq_len: int, keep_eras: int, delete_passed: bool,
                  encoder: subprocess.Popen | None = None, log=print, order: str = "epochs") -> None:

@@ -88,10 +88,10 @@ def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources
         identity = {**splits.identity, "run": record["run"], "era_tokens": size}
         cache = eras.EraCache(cache_directory(cache_dir, identity, tokenizer.sha256), record_path, size,
                               int(record["planned_tokens"]))
-        if preparing and cache.planned_tokens != splits.train_tokens:
-            print(f"the run's eras were planned for {cache.planned_tokens:,} tokens of the stream, and it keeps "
-                  f"them (these steps would plan {splits.train_tokens:,}; more steps read them again)", flush=True)
         if preparing:
+            if cache.planned_tokens != splits.train_tokens:
+                print(f"the run's eras were planned for {cache.planned_tokens:,} tokens of the stream, and it keeps "
+                      f"them (these steps would plan {splits.train_tokens:,}; more steps read them again)", flush=True)
             eras.check_space(cache, int(config.data.keep_eras))
         return cache
     identity = {**splits.identity, "train_tokens": splits.train_tokens} if splits.train_tokens else splits.identity
