@@ -1,15 +1,20 @@
-"""Fewer steps to the same loss? AdamW with cosine against AdamW at 3× the peak with WSD and Muon with WSD.
+"""Fewer steps to the same loss? AdamW with cosine against AdamW and Muon with WSD, and the floor they cool to.
 
     python bench/optimizer_study.py --size shakespeare_char --text PATH/TO/tinyshakespeare.txt
     python bench/optimizer_study.py --size tiny                      # the quick start's stdlib corpus
-    python bench/optimizer_study.py --size shakespeare_char --text ... --sweep 1e-3,3e-3,1e-2   # Muon's rate, seed 0
+    python bench/optimizer_study.py --size tiny --sweep muon:1.8e-3,3.6e-3,7.2e-3   # a peak swept on seed 0
+    python bench/optimizer_study.py --size tiny --arms adamw_cosine,adamw_wsd,muon_wsd   # some arms only
 
-Each arm trains its config as `train.py` would (the project's own loop, evals every `--eval_every` steps) for
-each seed. Printed: the final validation loss of each arm (mean and spread over seeds) and the step at which
-each run first reaches the AdamW-cosine arm's mean final loss; then the end moved: the WSD run's checkpoint
-from its stable phase resumed with steps = 60% of the plan (its cooldown from there), against cosine runs
-planned for that length. Runs already finished in --root are read, not trained again. Writes
-bench/optimizer_study_<size>.json and docs/optimizer_study.png, one panel for each size's json in bench/.
+Arms (`ARMS`): the config as it stands (`adamw_cosine`), and AdamW or Muon at `--adamw_rate`/`--muon_rate`
+with WSD (1−sqrt over the last 20%) to a tenth of the peak (`_wsd`), the same WSD to zero (`_wsd_to0`), or
+linear decay to zero from the end of warmup (`_d2z`, Bergsma et al. 2025). Each trains its config as
+`train.py` would (the project's own loop, evals every `--eval_every` steps) for each seed. The peaks are chosen
+on seed 0 (`--sweep`), so the table reports seeds 1 and up: the final validation loss of each arm (mean and
+spread) and the step at which each run first reaches the AdamW-cosine arm's mean final loss; then the end
+moved: the `adamw_wsd` run's checkpoint from its stable phase resumed with steps = 60% of the plan (its
+cooldown from there), against cosine runs planned for that length. Runs already finished in --root are read,
+not trained again. Writes bench/optimizer_study_<size>.json and docs/optimizer_study.png, one panel for each
+size's json in bench/.
 """
 
 from __future__ import annotations
@@ -34,19 +39,25 @@ COOLDOWN_FRACTION = 0.2  # Hägele et al.: 10-20% of the steps; the issue's WSD 
 SHORT_FRACTION = 0.6  # the moved end: a run stopped at 60% of its plan
 
 
-def arms(size: str, muon_rate: float) -> dict[str, dict]:
-    """name -> optimizer overrides; the cosine arm is the config as it stands."""
-    peak = CONFIGS[size]().optimizer.learning_rate
-    wsd = dict(decay="wsd", cooldown_shape="1-sqrt")
-    return {"adamw_cosine": {},
-            "adamw_3x_wsd": dict(wsd, learning_rate=3 * peak),
-            "muon_wsd": dict(wsd, name="muon", learning_rate=muon_rate)}
+SCHEDULES = {"wsd": dict(decay="wsd", cooldown_shape="1-sqrt"),  # to the config's floor, a tenth
+             "wsd_to0": dict(decay="wsd", cooldown_shape="1-sqrt", min_learning_rate_ratio=0.0),
+             "d2z": dict(decay="linear", min_learning_rate_ratio=0.0)}
+ARMS = ["adamw_cosine"] + [f"{optimizer}_{schedule}" for optimizer in ("adamw", "muon") for schedule in SCHEDULES]
 
 
-def run_directory(args, size: str, name: str, seed: int, muon_rate: float) -> str:
-    """Muon's runs are kept by their rate: the sweep's seed 0 at the chosen rate is the arm's own, and another
-    --muon_rate never reads runs of the last one."""
-    return os.path.join(args.root, size, f"{name}_{muon_rate:g}" if name == "muon_wsd" else name, f"seed{seed}")
+def arm(name: str, rates: dict[str, float]) -> dict:
+    """An arm's optimizer overrides; the cosine arm is the config as it stands."""
+    if name == "adamw_cosine":
+        return {}
+    optimizer, schedule = name.split("_", 1)
+    return dict(SCHEDULES[schedule], name=optimizer, learning_rate=rates[optimizer])
+
+
+def run_directory(args, size: str, name: str, seed: int, rates: dict[str, float]) -> str:
+    """The swept arms' runs are kept by their peak: the sweep's seed 0 at the chosen peak is the arm's own, and
+    another peak never reads runs of the last one."""
+    kept_as = name if name == "adamw_cosine" else f"{name}_{rates[name.split('_')[0]]:g}"
+    return os.path.join(args.root, size, kept_as, f"seed{seed}")
 
 
 def config_for(size: str, seed: int, optimizer: dict, steps: int, args) -> "ml_collections.ConfigDict":
@@ -77,14 +88,14 @@ def first_reaching(curve: list[tuple[int, float]], target: float) -> int | None:
     return next((step for step, loss in curve if loss <= target), None)
 
 
-def moved_end(size: str, seed: int, wsd_arm: dict, args) -> list[tuple[int, float]]:
+def moved_end(size: str, seed: int, rates: dict[str, float], args) -> list[tuple[int, float]]:
     """The full-length WSD run's latest checkpoint at or before 60% − cooldown (still at its peak), copied and
     resumed with steps = 60% of the plan: the cooldown starts where that resume says."""
     steps = CONFIGS[size]().steps
     short = round(SHORT_FRACTION * steps)
-    full = os.path.join(args.root, size, "adamw_3x_wsd", f"seed{seed}")
-    workdir = os.path.join(args.root, size, "moved_end", f"seed{seed}")
-    config = config_for(size, seed, wsd_arm, steps, args)
+    full = run_directory(args, size, "adamw_wsd", seed, rates)
+    workdir = os.path.join(args.root, size, f"moved_end_{rates['adamw']:g}", f"seed{seed}")
+    config = config_for(size, seed, arm("adamw_wsd", rates), steps, args)
     config.steps, config.optimizer.cooldown_steps = short, round(COOLDOWN_FRACTION * short)
     if not os.path.isdir(workdir):
         start = short - config.optimizer.cooldown_steps
@@ -114,39 +125,54 @@ def main() -> None:
     parser.add_argument("--text", default="", help="a local copy of the corpus (shakespeare_char downloads it)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eval_every", type=int, default=100)
+    parser.add_argument("--adamw_rate", type=float, default=3e-3, help="AdamW's peak in the WSD and D2Z arms "
+                                                                           "(chosen by --sweep)")
     parser.add_argument("--muon_rate", type=float, default=3e-3, help="Muon's peak (chosen by --sweep)")
-    parser.add_argument("--sweep", default="", help="comma-separated Muon peaks to try on seed 0, e.g. 1e-3,3e-3,1e-2")
+    parser.add_argument("--sweep", default="", help="OPTIMIZER:PEAKS, the WSD arm's peaks to try on seed 0, "
+                                                    "e.g. adamw:1e-3,3e-3,1e-2")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, among {', '.join(ARMS)}")
+    parser.add_argument("--no_moved_end", action="store_true", help="leave out the moved end's runs")
     parser.add_argument("--root", default="/tmp/andrea-optimizer-study", help="where the runs' workdirs go")
     args = parser.parse_args()
     size, steps = args.size, CONFIGS[args.size]().steps
+    rates = {"adamw": args.adamw_rate, "muon": args.muon_rate}
+    names = args.arms.split(",")
+    if not set(names) <= set(ARMS) or "adamw_cosine" not in names:
+        raise SystemExit(f"--arms {args.arms}: choose among {', '.join(ARMS)}, adamw_cosine (the target) among them")
 
     if args.sweep:
-        for rate in map(float, args.sweep.split(",")):
-            arm = dict(arms(size, rate)["muon_wsd"])
-            curve = run(config_for(size, 0, arm, steps, args), run_directory(args, size, "muon_wsd", 0, rate))
-            print(f"muon_wsd at {rate:g}: final val loss {curve[-1][1]:.4f}", flush=True)
+        optimizer, _, peaks = args.sweep.partition(":")
+        if optimizer not in rates or not peaks:
+            raise SystemExit(f"--sweep {args.sweep}: write it OPTIMIZER:PEAKS, e.g. adamw:1e-3,3e-3,1e-2")
+        for rate in map(float, peaks.split(",")):
+            swept = dict(rates, **{optimizer: rate})
+            curve = run(config_for(size, 0, arm(f"{optimizer}_wsd", swept), steps, args),
+                        run_directory(args, size, f"{optimizer}_wsd", 0, swept))
+            print(f"{optimizer}_wsd at {rate:g}: final val loss {curve[-1][1]:.4f}", flush=True)
         return
 
-    curves = {name: [run(config_for(size, seed, arm, steps, args),
-                         run_directory(args, size, name, seed, args.muon_rate)) for seed in range(args.seeds)]
-              for name, arm in arms(size, args.muon_rate).items()}
-    target = statistics.mean(curve[-1][1] for curve in curves["adamw_cosine"])
-    short = round(SHORT_FRACTION * steps)
-    wsd_arm = arms(size, args.muon_rate)["adamw_3x_wsd"]
-    curves["moved_end_wsd"] = [moved_end(size, seed, wsd_arm, args) for seed in range(args.seeds)]
-    curves["cosine_planned_short"] = [run(config_for(size, seed, {}, short, args),
-                                          os.path.join(args.root, size, "cosine_short", f"seed{seed}"))
-                                      for seed in range(args.seeds)]
+    curves = {name: [run(config_for(size, seed, arm(name, rates), steps, args),
+                         run_directory(args, size, name, seed, rates)) for seed in range(args.seeds)]
+              for name in names}
+    if not args.no_moved_end:
+        short = round(SHORT_FRACTION * steps)
+        curves["moved_end_wsd"] = [moved_end(size, seed, rates, args) for seed in range(args.seeds)]
+        curves["cosine_planned_short"] = [run(config_for(size, seed, {}, short, args),
+                                              os.path.join(args.root, size, "cosine_short", f"seed{seed}"))
+                                          for seed in range(args.seeds)]
+    reported = range(1, args.seeds) if args.seeds > 1 else range(args.seeds)  # seed 0 chose the peaks
+    target = statistics.mean(curves["adamw_cosine"][seed][-1][1] for seed in reported)
 
-    print(f"\n{size}, {steps} steps, {args.seeds} seeds; target: adamw_cosine's mean final val loss {target:.4f}")
+    print(f"\n{size}, {steps} steps, seeds {', '.join(map(str, reported))}; target: adamw_cosine's mean final val "
+          f"loss {target:.4f}")
     print("| arm | final val loss (mean ± sd) | first step at the target (each seed) |")
     print("| --- | --- | --- |")
     for name, runs in curves.items():
-        reached = [first_reaching(curve, target) for curve in runs]
-        print(f"| {name} (ends at {runs[0][-1][0]}) | {summary([curve[-1][1] for curve in runs])} | "
+        reached = [first_reaching(runs[seed], target) for seed in reported]
+        print(f"| {name} (ends at {runs[0][-1][0]}) | {summary([runs[seed][-1][1] for seed in reported])} | "
               f"{', '.join(str(step) if step else '—' for step in reached)} |")
-    result = {"size": size, "steps": steps, "target": target, "muon_rate": args.muon_rate,
-              "arms": {name: arm for name, arm in arms(size, args.muon_rate).items()}, "curves": curves}
+    result = {"size": size, "steps": steps, "target": target, "reported_seeds": list(reported), "rates": rates,
+              "arms": {name: arm(name, rates) for name in names}, "curves": curves}
     with open(os.path.join(HERE, f"optimizer_study_{size}.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot()
