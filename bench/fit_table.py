@@ -7,7 +7,8 @@
 Each target gets the automatic micro-batch choice a run there would make
 (`andrea_jax/fit.py`); the row gives the compute dtype, micro-batches, remat, one
 device's peak against its limit, the attention it runs, the HBM bytes a step moves
-(counted from the optimized HLO) and the roofline bound on MFU they give.
+(counted from the optimized HLO), the roofline bound on MFU they give, and the step estimated
+one kernel at a time (`andrea_jax/compile/kernel_time.py`).
 """
 
 from __future__ import annotations
@@ -32,14 +33,16 @@ def row(name: str) -> str:
     try:
         steps = check.compiled_for(andrea120m.get_config(), target, report=lambda line: None)
     except ConfigError as error:
-        return f"| {name} | {len(target.devices)} | | | | | does not fit: {error} | | |"
+        return f"| {name} | {len(target.devices)} | | | | | does not fit: {error} | | | |"
     cost = check.step_cost(steps, target)
     roofline = f"{cost.roofline_seconds * 1e3:.0f} ms, MFU ≤ {100 * cost.mfu_bound:.0f}%" if cost.mfu_bound else "no peak known"
+    estimate = (f"{cost.estimate.seconds * 1e3:.0f} ms, MFU {100 * cost.estimated_mfu:.0f}%" if cost.estimated_mfu
+                else f"none (no rate for {cost.estimate_missing})")
     c = steps.config
     return (f"| {name} | {len(target.devices)} ({target.num_hosts} host{'s' if target.num_hosts > 1 else ''}) | "
             f"{c.model.dtype} | {c.model.attention} | {c.microbatches} | {'on' if c.model.remat else 'off'} | "
             f"{steps.peak / GIB:.2f} of {target.memory_limit / GIB:.2f} GiB | "
-            f"{sum(cost.hbm_bytes.values()) / 1e9:.1f} GB | {roofline} | {time.perf_counter() - start:.0f} s |")
+            f"{sum(cost.hbm_bytes.values()) / 1e9:.1f} GB | {roofline} | {estimate} | {time.perf_counter() - start:.0f} s |")
 
 
 def main() -> None:
@@ -47,8 +50,8 @@ def main() -> None:
     parser.add_argument("topologies", nargs="+")
     args = parser.parse_args()
     print("| target | devices | compute | attention | micro-batches | remat | peak a device | HBM a step | "
-          "roofline (a bound) | compile time here |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "roofline (a bound) | estimated, one kernel at a time | compile time here |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.topologies:
         print(row(name), flush=True)
 

@@ -4,8 +4,9 @@
 
 XLA's own TPU and GPU compilers run on a host without the chip; the steps are lowered with the mesh,
 shardings and micro-batch choice a run on that accelerator would use (`fit.py`), and the report says
-what one device holds, the step's FLOPs, the device-memory bytes it moves by part of the model, and
-the roofline bound on MFU they give. A step that does not fit exits with status 2 and one line naming the fix.
+what one device holds, the step's FLOPs, the device-memory bytes it moves by part of the model, the
+roofline bound on MFU they give, and the step as the chip runs it, one kernel after another
+(`kernel_time.py`). A step that does not fit exits with status 2 and one line naming the fix.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from andrea_jax import attention, fit, flops, resolve, sharding
-from andrea_jax.compile import hbm_traffic, targets
+from andrea_jax.compile import hbm_traffic, kernel_time, targets
 from andrea_jax.runtime import cli
 from andrea_jax.config import ConfigError, validate
 
@@ -53,6 +54,15 @@ class StepCost:
     attention_fill: float  # the share of a TPU's matrix units attention's products fill (1 elsewhere)
     roofline_seconds: float | None  # max(model FLOPs at the fill they get / peak, bytes / bandwidth) of one device
     mfu_bound: float | None  # model_flops / (roofline_seconds × devices × the chip's peak)
+    estimate: kernel_time.Estimate | None = None  # the step one kernel at a time, a micro-batch loop's trips and all
+    estimate_missing: str = ""  # why there is no estimate: the kind of kernel the target has no rate for
+
+    @property
+    def estimated_mfu(self) -> float | None:
+        """MFU at the estimated step: the bound's, scaled by how much longer the estimate is."""
+        if self.estimate is None or self.mfu_bound is None:
+            return None
+        return self.mfu_bound * self.roofline_seconds / self.estimate.seconds
 
 
 def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
@@ -80,8 +90,14 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
     xla_flops = cost["flops"] * devices * config.microbatches if "flops" in cost else None
     traffic = hbm_traffic.count(steps.train.as_text())
     peak = flops.device_peak_flops(target.devices[0], config.model.dtype)
+    estimate, missing = None, "" if target.kernel_rates else "any kind of kernel"
+    if target.kernel_rates:
+        try:
+            estimate = kernel_time.estimate(steps.train.as_text(), target.kernel_rates)
+        except kernel_time.MissingRate as error:
+            missing = str(error)
     if not peak or not target.memory_bytes_per_second:
-        return StepCost(model_flops, xla_flops, traffic, optimizer_flops, fill, None, None)
+        return StepCost(model_flops, xla_flops, traffic, optimizer_flops, fill, None, None, estimate, missing)
     at_peak_flops = model_flops
     if fill < 1:
         kind = target.devices[0].device_kind
@@ -91,7 +107,7 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
     seconds = max((at_peak_flops / devices + optimizer_flops) / peak,
                   sum(traffic.values()) / target.memory_bytes_per_second)
     return StepCost(model_flops, xla_flops, traffic, optimizer_flops, fill, seconds,
-                    model_flops / (seconds * devices * peak))
+                    model_flops / (seconds * devices * peak), estimate, missing)
 
 
 def describe(steps: fit.Steps, target: targets.Target) -> str:
@@ -132,7 +148,20 @@ def describe(steps: fit.Steps, target: targets.Target) -> str:
         lines.append(f"roofline from the model's FLOPs and the HLO's bytes: {cost.roofline_seconds * 1e3:.0f} ms a "
                      f"step, so MFU can be at most {100 * cost.mfu_bound:.0f}% (a bound from the compiler's program, "
                      f"not a measurement)")
+    lines.append(estimate_line(cost, target))
     return "\n".join(lines)
+
+
+def estimate_line(cost: StepCost, target: targets.Target) -> str:
+    """The step one kernel at a time, by kind, with the rates' source; or why there is no estimate."""
+    if cost.estimate is None:
+        return (f"estimated step, one kernel at a time: none, {target.name} has no rate for {cost.estimate_missing} "
+                f"(targets.py); the bound above stands alone")
+    mfu = f" (MFU {100 * cost.estimated_mfu:.0f}%)" if cost.estimated_mfu else ""
+    kinds = ", ".join(f"{kind} {1e3 * value:.1f}" for kind, value in cost.estimate.seconds_by_kind.items())
+    rates = target.kernel_rates
+    return (f"estimated step, one kernel at a time: {1e3 * cost.estimate.seconds:.1f} ms{mfu}: {kinds} (ms; rates "
+            f"{rates.source}{'' if rates.calibrated else ', not yet calibrated against a measured step'})")
 
 
 def main(argv):

@@ -18,6 +18,49 @@ from andrea_jax.config import ConfigError
 GIB = 2 ** 30
 GPU_TARGETS_DIR = pathlib.Path(__file__).parent / "gpu_targets"
 
+
+@dataclasses.dataclass(frozen=True)
+class KernelRates:
+    """What a chip achieves on each kind of kernel, for the one-kernel-at-a-time estimate (`kernel_time.py`)."""
+    products: dict[str, float]  # FLOP/s of a large product, by its inputs: "16-bit" (bf16, f16) or "float32"
+    attention: float | None  # FLOP/s of the fused attention kernel (cuDNN's, Pallas')
+    memory_bytes_per_second: float  # what the memory-bound fusions achieve
+    launch_seconds: float  # the device idle between two kernels
+    cores: int  # streaming multiprocessors (a TPU: TensorCores), over which a product's tiles run in waves
+    source: str
+    calibrated: bool  # against a measured step on this chip
+
+
+# Measured on one H200 (bench/RESULTS.md, 2026-12-04: `bench/gpu.sh` and `bench/trace_step.py`): an 8192³
+# bfloat16 product's 790 TFLOP/s; cuDNN attention's 8.6 ms a step for 2.16 TFLOP; the Newton–Schulz products'
+# TF32 rate that gives their 12.1 ms; the largest memory-bound fusions' 2.4-2.6 TB/s (54% of the 4.8 TB/s
+# the data sheet gives); the device idle 2.4 ms a step between 1,059 kernels.
+H200_MEASURED = dict(products={"16-bit": 790e12, "float32": 263e12}, attention=251e12,
+                     memory_bytes_per_second=2.6e12, launch_seconds=2.3e-6)
+# Each GPU's published dense peaks (16-bit tensor cores; float32 as TF32 where the chip has it, a T4's CUDA
+# cores where not): the other GPUs are given the H200's measured share of each, not yet a measurement.
+GPU_PEAKS = {"h200": (989e12, 494.7e12), "h100": (989e12, 494.7e12), "a100_40gb": (312e12, 156e12),
+             "a100_80gb": (312e12, 156e12), "l4": (121e12, 60e12), "t4": (65e12, 8.1e12)}
+
+
+def gpu_rates(name: str, bandwidth: float, cores: int) -> KernelRates | None:
+    """The H200's measured rates, or another GPU's published peaks at the H200's measured shares of them."""
+    if name not in GPU_PEAKS:
+        return None
+    h200_16bit, h200_float32 = GPU_PEAKS["h200"]
+    half, single = GPU_PEAKS[name]
+    measured = H200_MEASURED
+    if name == "h200":
+        return KernelRates(**measured, cores=cores, source="measured on this chip (bench/RESULTS.md)",
+                           calibrated=True)
+    return KernelRates(
+        products={"16-bit": half * measured["products"]["16-bit"] / h200_16bit,
+                  "float32": single * measured["products"]["float32"] / h200_float32},
+        attention=half * measured["attention"] / h200_16bit,
+        memory_bytes_per_second=bandwidth * measured["memory_bytes_per_second"] / 4.8e12,
+        launch_seconds=measured["launch_seconds"], cores=cores,
+        source="published peaks and bandwidth at the H200's measured share of them", calibrated=False)
+
 # libtpu's name for the generation, the HBM a chip lets a program use, Cloud TPU's published HBM
 # bandwidth a chip, and the side of its matrix units (MXUs: 128 × 128 systolic arrays, v6e's 256 × 256).
 # v4 and v5p chips are "megacore" (one device of two TensorCores, which their slice names count) in a
@@ -39,6 +82,7 @@ class Target:
     num_hosts: int
     memory_bytes_per_second: float | None = None  # for the roofline
     matrix_unit_width: int | None = None  # a TPU MXU's side; None where products fill the units (GPUs)
+    kernel_rates: KernelRates | None = None  # for the estimate; None where the chip has none
 
     def fill_of(self, width: int) -> float:
         """The share of a matrix unit a product fills when one of its sides is `width` (an attention head):
@@ -112,9 +156,11 @@ def gpu(name: str) -> Target:
         raise ConfigError(f"--topology {name} needs JAX's CUDA compiler plugin ({str(error).splitlines()[0]}); "
                           f"install it with `pip install -r requirements-gpu-compile.txt`") from error
     bandwidth = float(re.search(r"memory_bandwidth:\s*(\d+)", text).group(1))
+    cores = int(re.search(r"core_count:\s*(\d+)", text).group(1))
     fraction = gpu_memory_fraction()
     return Target(name, list(topology.devices), int(memory * fraction),
-                  f"{fraction:.0%} of {memory / GIB:.1f} GiB, JAX's GPU memory pool", 1, bandwidth)
+                  f"{fraction:.0%} of {memory / GIB:.1f} GiB, JAX's GPU memory pool", 1, bandwidth,
+                  kernel_rates=gpu_rates(name, bandwidth, cores))
 
 
 def named(name: str) -> Target:

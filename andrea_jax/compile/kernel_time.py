@@ -1,0 +1,188 @@
+"""A step's time as the chip runs it: one kernel after another, each at its kind's rate.
+
+A GPU runs the top-level kernels of the optimized program one at a time, and a TPU one fusion at a time
+(matrix and vector work overlap only inside a fusion). So a step takes about the sum over its kernels of
+max(FLOPs at the rate of the kernel's kind, bytes at the memory's achievable bandwidth) plus the gap a
+launch leaves between two kernels; a `while` body counts as many times as it runs. The rates are the
+target's (`targets.KernelRates`), each with its source.
+
+A product's rate depends on its shape: its output is cut into tiles, each tile worked by one of the
+chip's cores, and the K dimension split until there are enough pieces to go round (split-K, as cuBLAS
+and XLA's Triton products do); the last wave of pieces leaves cores idle, so a product whose pieces fill
+few waves (a 768 × 768 Newton–Schulz product on 132 cores) runs at a fraction of a large product's rate.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+from andrea_jax.compile import hbm_traffic
+
+KINDS = ("matrix products", "attention", "other fusions", "copies")
+TILE = 128  # the side of an output tile a core works on (cuBLAS's and Triton's common 128 × 128)
+MIN_SPLIT_K = 512  # the shortest piece of K a split leaves a core
+DTYPE_RATES = {"bf16": "16-bit", "f16": "16-bit", "f32": "float32"}  # a product's inputs -> its rate
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    kind: str
+    flops: float  # 0 for memory-bound kernels
+    bytes: float
+    seconds: float  # one run, without its launch
+    times: int  # runs a step (a loop body's trips)
+    op_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    kernels: list[Kernel]
+    seconds_by_kind: dict[str, float]  # a step, `KINDS` and "launches"
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.seconds_by_kind.values())
+
+    def top(self, count: int) -> list[tuple[str, str, float, int]]:
+        """The `count` costliest kernels a step, identical fused computations together (a GPU runs them as
+        one kernel under the first one's name, as a trace shows them): (name, kind, seconds, runs)."""
+        groups = collections.defaultdict(lambda: [None, None, 0.0, 0])
+        for kernel in self.kernels:
+            key = (re.sub(r"[._]\d+$", "", kernel.name), kernel.kind, kernel.op_name.split("/")[-1],
+                   round(kernel.bytes), round(kernel.flops))
+            group = groups[key]
+            group[0] = group[0] or kernel.name
+            group[1] = kernel.kind
+            group[2] += kernel.seconds * kernel.times
+            group[3] += kernel.times
+        return sorted((tuple(group) for group in groups.values()), key=lambda group: -group[2])[:count]
+
+
+class MissingRate(ValueError):
+    """The target has no rate for a kind of kernel the program runs."""
+
+
+def kind_of(name: str, opcode: str, custom_target: str, fused_dot: bool) -> str:
+    """A kernel's kind as a profiler's trace names it (bench/trace_step.py sums by the same kinds)."""
+    if re.search(r"cudnn\$fmha|fmha|flash|splash|attention", custom_target + " " + name, re.I):
+        return "attention"
+    if fused_dot or opcode in ("dot", "convolution") or re.search(r"cublas|gemm|matmul", custom_target, re.I):
+        return "matrix products"
+    if opcode in hbm_traffic.LAYOUT_OPS or opcode.startswith("copy") or re.search(r"copy|transpose", name):
+        return "copies"
+    return "other fusions"
+
+
+def _dims(shape_text: str) -> tuple[str, list[int]]:
+    dtype, dims, _ = hbm_traffic.ARRAY.search(shape_text).groups()
+    return dtype, [int(d) for d in filter(None, dims.split(","))]
+
+
+def product_shape(dot: hbm_traffic.Instruction, shapes: dict[str, str]) -> tuple[str, int, int, int, int]:
+    """(input dtype, batch, M, N, K) of a dot or a GEMM custom call, from its operands and dimension numbers."""
+    lhs_dtype, lhs = _dims(shapes[dot.operands[0]])
+    _, rhs = _dims(shapes[dot.operands[1]])
+
+    def listed(field: str) -> list[int]:  # HLO's `lhs_contracting_dims={1}`, a GEMM call's JSON `..._dimensions":["1"]`
+        found = re.search(rf'{field}_dim(?:s|ensions)[=":\[{{]+([\d,"\s]*)', dot.attributes)
+        return [int(d) for d in re.findall(r"\d+", found.group(1))] if found else []
+
+    lhs_contracting, rhs_contracting = listed("lhs_contracting"), listed("rhs_contracting")
+    lhs_batch, rhs_batch = listed("lhs_batch"), listed("rhs_batch")
+    k = math.prod(lhs[d] for d in lhs_contracting)
+    batch = math.prod(lhs[d] for d in lhs_batch)
+    m = math.prod(size for d, size in enumerate(lhs) if d not in lhs_contracting + lhs_batch)
+    n = math.prod(size for d, size in enumerate(rhs) if d not in rhs_contracting + rhs_batch)
+    return lhs_dtype, batch, m, n, k
+
+
+def wave_efficiency(batch: int, m: int, n: int, k: int, cores: int) -> float:
+    """The share of the cores' time a product keeps busy: its tiles (split along K while there are fewer
+    pieces than cores and K allows) run in waves of `cores`, the last wave partly filled."""
+    tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
+    split = 1
+    while tiles * split < cores and k // (2 * split) >= MIN_SPLIT_K:
+        split *= 2
+    pieces = tiles * split
+    filled = (m * n) / (math.ceil(m / TILE) * math.ceil(n / TILE) * TILE * TILE)  # ragged edge tiles
+    return filled * pieces / (math.ceil(pieces / cores) * cores)
+
+
+def attention_flops(call: hbm_traffic.Instruction, shapes: dict[str, str]) -> float:
+    """FLOPs of a fused attention call: q·kᵀ and p·v forward (4·B·H·Lq·Lk·D), 2.5 times that backward (the
+    scores again, then dV, dP, dQ, dK), halved under a causal mask. q and k are its first two operands,
+    [B, L, H, D] or [B, H, L, D] with D last; the longer of the middle two is L."""
+    _, q = _dims(shapes[call.operands[0]])
+    _, key = _dims(shapes[call.operands[1]])
+    batch, width = q[0], q[-1]
+    heads, q_len = sorted(q[1:3])
+    key_len = max(key[1:3])
+    forward = 4 * batch * heads * q_len * key_len * width
+    backward = "backward" in call.attributes.lower() or "bwd" in call.name
+    causal = re.search(r"causal", call.attributes, re.I) is not None
+    return forward * (2.5 if backward else 1.0) * (0.5 if causal else 1.0)
+
+
+def estimate(hlo_text: str, rates) -> Estimate:
+    """The serial time of a run of `hlo_text` at `rates` (`targets.KernelRates`).
+
+    Raises MissingRate when the program runs a kind of kernel the rates have no figure for."""
+    computations, entry = hbm_traffic.parse(hlo_text)
+    kernels: list[Kernel] = []
+
+    def walk(name: str, times: int) -> None:
+        body = computations[name]
+        shapes = {i.name: i.output for i in body}
+        for instruction in body:
+            if instruction.opcode in ("while", "call"):
+                trips = hbm_traffic.trip_count(instruction, computations) if instruction.opcode == "while" else 1
+                for called in re.findall(r"(?:body|to_apply)=%([\w.\-]+)", instruction.attributes):
+                    walk(called, times * trips)
+                continue
+            if instruction.opcode in hbm_traffic.FREE or instruction.opcode.endswith("-done"):
+                continue
+            kernels.append(_kernel(instruction, shapes, computations, rates, times))
+
+    walk(entry, 1)
+    by_kind = {kind: sum(k.seconds * k.times for k in kernels if k.kind == kind) for kind in KINDS}
+    by_kind["launches"] = rates.launch_seconds * sum(k.times for k in kernels)
+    return Estimate(kernels, by_kind)
+
+
+def _kernel(instruction, shapes, computations, rates, times) -> Kernel:
+    custom_target = re.search(r'custom_call_target="([^"]+)"', instruction.attributes)
+    custom_target = custom_target.group(1) if custom_target else ""
+    fused = {}
+    if instruction.opcode == "fusion":
+        called = re.search(r"calls=%([\w.\-]+)", instruction.attributes)
+        fused = {i.name: i for i in computations.get(called.group(1), [])} if called else {}
+    dots = [i for i in fused.values() if i.opcode in ("dot", "convolution")]
+    if instruction.opcode in ("dot", "convolution") or (custom_target and "gemm" in custom_target.lower()):
+        dots, fused = [instruction], shapes
+    kind = kind_of(instruction.name, instruction.opcode, custom_target, bool(dots))
+    read = sum(hbm_traffic.array_bytes(shapes.get(operand, "")) for operand in instruction.operands)
+    written = hbm_traffic.array_bytes(instruction.output)
+    if instruction.opcode in ("slice", "dynamic-slice"):
+        read = written
+    moved = read + written
+    flops, compute_seconds = 0.0, 0.0
+    if kind == "attention":
+        if not rates.attention:
+            raise MissingRate("attention")
+        flops = attention_flops(instruction, shapes)
+        compute_seconds = flops / rates.attention
+    elif kind == "matrix products":
+        fused_shapes = {name: i.output for name, i in fused.items()} if fused is not shapes else shapes
+        for dot in dots:
+            dtype, batch, m, n, k = product_shape(dot, fused_shapes)
+            rate = rates.products.get(DTYPE_RATES.get(dtype, dtype))
+            if not rate:
+                raise MissingRate(f"{DTYPE_RATES.get(dtype, dtype)} products")
+            flops += 2.0 * batch * m * n * k
+            compute_seconds += 2.0 * batch * m * n * k / (rate * wave_efficiency(batch, m, n, k, rates.cores))
+    seconds = max(compute_seconds, moved / rates.memory_bytes_per_second)
+    return Kernel(instruction.name, kind, flops, moved, seconds, times, instruction.op_name)
