@@ -126,6 +126,8 @@ def base_config() -> ml_collections.ConfigDict:
     o.grad_clip_norm = 1.0
     o.muon_momentum = 0.95  # Muon's Nesterov momentum
     o.muon_ns_steps = 5  # Newton–Schulz iterations orthogonalising each update
+    # The iterations' dtype: "auto" = bfloat16 on GPUs and TPUs (their matrix units' full rate), float32 on CPUs
+    o.muon_ns_dtype = "auto"
 
     # Mesh axis sizes; -1 takes the devices the other axes leave.
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
@@ -227,6 +229,7 @@ RULES = (
     ("optimizer.weight_decay", _finite(0, math.inf, "[0, inf)")),
     ("optimizer.muon_momentum", _finite(0, 1, "[0, 1)")),
     ("optimizer.muon_ns_steps", _at_least(1)),
+    ("optimizer.muon_ns_dtype", _one_of("auto", "float32", "bfloat16")),
     ("optimizer.grad_clip_norm", ((lambda value: value > 0), "must be positive (a clip of 0 zeroes every gradient); "
                                                              "use a large value such as 1e9 to turn clipping off")),
     ("optimizer.warmup_steps", _at_least(0)),

@@ -27,6 +27,8 @@ MUON_UPDATE_RMS = 0.2
 # q, k and v are each the [D, H·K] projection they stand for (as three separate Linear layers would be), not one
 # [D, 3·H·K] matrix (which would tie their scales together) nor per head (a [D, K] slice is 12× taller than wide,
 # and orthogonalising it equalises heads that are meant to differ).
+NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: the steepest at zero that converges
+
 MUON_MATRICES = {
     "qkv_kernel": optax.contrib.MuonDimensionNumbers(reduction_axis=-4, output_axis=(-2, -1)),  # [D, 3, H, K]
     "out_kernel": optax.contrib.MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1),  # [H, K, D]
@@ -115,9 +117,53 @@ def muon_groups(params: Any) -> Any:
                                             params)
 
 
-def _muon_dimensions(updates: Any) -> Any:
-    # Inside optax.partition the other group's leaves are MaskedNodes, empty subtrees that tree_map keeps as they are.
-    return jax.tree_util.tree_map_with_path(lambda path, _: MUON_MATRICES[parameter_name(path)], updates)
+def orthogonalise(update: jax.Array, dims: optax.contrib.MuonDimensionNumbers, steps: int, coefficients: jax.Array,
+                  dtype) -> jax.Array:
+    """Newton–Schulz's quintic iteration towards the nearest semi-orthogonal matrix of each matrix `dims` names
+    in `update` (its other axes are a batch), in `dtype`, after a Frobenius normalisation in the update's own.
+
+    Each step is x ← a·x + (b·G + c·G·G)·x with G = x·xᵀ on the wide side of x (a tall matrix is transposed)."""
+    axes = [tuple(a % update.ndim for a in ((axis,) if isinstance(axis, int) else axis))
+            for axis in (dims.reduction_axis, dims.output_axis)]
+    batch = tuple(a for a in range(update.ndim) if a not in axes[0] + axes[1])
+    order = batch + axes[0] + axes[1]
+    x = update.transpose(order).reshape([math.prod(update.shape[a] for a in group) for group in (batch, *axes)])
+    tall = x.shape[1] > x.shape[2]
+    x = jnp.swapaxes(x, 1, 2) if tall else x
+    x = (x / (jnp.linalg.norm(x, axis=(1, 2), keepdims=True) + 1e-8)).astype(dtype)
+    a, b, c = coefficients.astype(dtype)
+    for _ in range(steps):
+        gram = x @ jnp.swapaxes(x, 1, 2)
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    x = jnp.swapaxes(x, 1, 2) if tall else x
+    return x.astype(update.dtype).reshape([update.shape[a] for a in order]).transpose(
+        sorted(range(update.ndim), key=order.__getitem__))
+
+
+def scale_by_muon(steps: int, momentum: float, dtype) -> optax.GradientTransformation:
+    """Muon's direction: Nesterov momentum as optax.contrib's (debiased, in the parameters' dtype), then each
+    matrix orthogonalised (`orthogonalise`) in `dtype`. Its state is optax.contrib.MuonState, so a checkpoint
+    of either restores into the other. bfloat16 iterations take an accelerator's tensor cores at their full
+    rate (modded-nanogpt and nanochat run them so); float32 is optax's own computation."""
+
+    def init(params):
+        return optax.contrib.MuonState(count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params),
+                                       ns_coeffs=jnp.asarray(NEWTON_SCHULZ_COEFFICIENTS))
+
+    def update(updates, state, params=None):
+        del params
+        mu = optax.tree.update_moment(updates, state.mu, momentum, 1)
+        count = optax.safe_increment(state.count)
+        ahead = optax.tree.bias_correction(mu, momentum, optax.safe_increment(count))
+        mu_hat = jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, ahead,
+                              optax.tree.bias_correction(updates, momentum, count))
+        # Inside optax.partition the other group's leaves are MaskedNodes, empty subtrees tree_map keeps as they are.
+        directions = jax.tree_util.tree_map_with_path(
+            lambda path, m: orthogonalise(m, MUON_MATRICES[parameter_name(path)], steps, state.ns_coeffs, dtype),
+            mu_hat)
+        return directions, optax.contrib.MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
+
+    return optax.GradientTransformation(init, update)
 
 
 def _scale_to_adam_rms() -> optax.GradientTransformation:
@@ -131,19 +177,24 @@ def _scale_to_adam_rms() -> optax.GradientTransformation:
     return optax.stateless(lambda updates, params: jax.tree_util.tree_map_with_path(scale, updates))
 
 
+def _decided(dtype_name: str) -> jnp.dtype:
+    if dtype_name == "auto":
+        raise ValueError("optimizer.muon_ns_dtype='auto' is decided for the devices by resolve.for_devices first")
+    return jnp.dtype(dtype_name)
+
+
 def make(config: ml_collections.ConfigDict) -> optax.GradientTransformationExtraArgs:
     """Clipping, then AdamW or Muon; `update(grads, opt_state, params, learning_rate=...)` takes the rate.
 
-    Muon is optax.contrib's, assembled as `optax.contrib.muon` assembles it (momentum and Newton–Schulz,
-    then the RMS scaling) but with today's AdamW for the other group and the same decoupled weight decay and
-    passed rate for both (`MUON_UPDATE_RMS` says why one rate serves both)."""
+    Muon is assembled as `optax.contrib.muon` assembles it (momentum and Newton–Schulz, then the RMS scaling),
+    with its iterations in `optimizer.muon_ns_dtype`, today's AdamW for the other group and the same decoupled
+    weight decay and passed rate for both (`MUON_UPDATE_RMS` says why one rate serves both)."""
     o = config.optimizer
     adam = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
     if o.name == "muon":
         direction = optax.partition({
             "muon": optax.chain(
-                optax.contrib.scale_by_muon(ns_steps=int(o.muon_ns_steps), beta=o.muon_momentum, nesterov=True,
-                                            weight_dimension_numbers=_muon_dimensions),
+                scale_by_muon(int(o.muon_ns_steps), o.muon_momentum, _decided(o.muon_ns_dtype)),
                 _scale_to_adam_rms()),
             "adam": adam}, muon_groups)
     else:

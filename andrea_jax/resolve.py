@@ -14,9 +14,10 @@ from andrea_jax import attention, precision
 
 def for_devices(config: ml_collections.ConfigDict, device, saved: ml_collections.ConfigDict | None = None,
                 evaluating: bool = False) -> ml_collections.ConfigDict:
-    """`config` with the compute dtype and attention decided for `device` (the mesh's first).
+    """`config` with the compute dtype, attention and Muon's iteration dtype decided for `device` (the mesh's
+    first).
 
-    `saved` is the config a resumed run started with: it keeps computing as it did (its dtype
+    `saved` is the config a resumed run started with: it keeps computing as it did (its dtypes
     and micro-batches), so that its losses stay exact. `evaluating` a saved run lets a kernel
     this machine lacks give way to this machine's choice (the kernel belongs to the machine that
     trained, not to the model); training stops with one line instead.
@@ -27,6 +28,10 @@ def for_devices(config: ml_collections.ConfigDict, device, saved: ml_collections
             config.model.dtype = saved.model.dtype
         if config.microbatches == 0 and saved.microbatches:
             config.microbatches, config.model.remat = saved.microbatches, saved.model.remat
+    if saved is not None and config.optimizer.muon_ns_dtype == "auto":  # runs saved before the key: float32
+        config.optimizer.muon_ns_dtype = saved.optimizer.to_dict().get("muon_ns_dtype", "float32")
+    if config.optimizer.muon_ns_dtype == "auto":
+        config.optimizer.muon_ns_dtype = "float32" if device.platform == "cpu" else "bfloat16"
     config.model.dtype = precision.resolve_dtype_name(config.model.dtype, device)
     choose = attention.for_saved_run if evaluating else attention.for_device
     config.model.attention = choose(config.model, device)

@@ -7,7 +7,8 @@
 
 Arms (`ARMS`): the config as it stands (`adamw_cosine`), and AdamW or Muon at `--adamw_rate`/`--muon_rate`
 with WSD (1−sqrt over the last 20%) to a tenth of the peak (`_wsd`), the same WSD to zero (`_wsd_to0`), or
-linear decay to zero from the end of warmup (`_d2z`, Bergsma et al. 2025). Each trains its config as
+linear decay to zero from the end of warmup (`_d2z`, Bergsma et al. 2025); `muon_wsd_bf16` is `muon_wsd` with
+its Newton–Schulz iterations in bfloat16, as an accelerator runs them. Each trains its config as
 `train.py` would (the project's own loop, evals every `--eval_every` steps) for each seed. The peaks are chosen
 on seed 0 (`--sweep`), so the table reports seeds 1 and up: the final validation loss of each arm (mean and
 spread) and the step at which each run first reaches the AdamW-cosine arm's mean final loss; then the end
@@ -43,14 +44,17 @@ SCHEDULES = {"wsd": dict(decay="wsd", cooldown_shape="1-sqrt"),  # to the config
              "wsd_to0": dict(decay="wsd", cooldown_shape="1-sqrt", min_learning_rate_ratio=0.0),
              "d2z": dict(decay="linear", min_learning_rate_ratio=0.0)}
 ARMS = ["adamw_cosine"] + [f"{optimizer}_{schedule}" for optimizer in ("adamw", "muon") for schedule in SCHEDULES]
+# Muon's Newton–Schulz iterations in bfloat16, as accelerators run them (a CPU's "auto" runs them in float32)
+BFLOAT16_ITERATIONS = "_bf16"
 
 
 def arm(name: str, rates: dict[str, float]) -> dict:
     """An arm's optimizer overrides; the cosine arm is the config as it stands."""
     if name == "adamw_cosine":
         return {}
-    optimizer, schedule = name.split("_", 1)
-    return dict(SCHEDULES[schedule], name=optimizer, learning_rate=rates[optimizer])
+    optimizer, schedule = name.removesuffix(BFLOAT16_ITERATIONS).split("_", 1)
+    iterations = dict(muon_ns_dtype="bfloat16") if name.endswith(BFLOAT16_ITERATIONS) else {}
+    return dict(SCHEDULES[schedule], name=optimizer, learning_rate=rates[optimizer], **iterations)
 
 
 def run_directory(args, size: str, name: str, seed: int, rates: dict[str, float]) -> str:
@@ -130,14 +134,15 @@ def main() -> None:
     parser.add_argument("--muon_rate", type=float, default=3e-3, help="Muon's peak (chosen by --sweep)")
     parser.add_argument("--sweep", default="", help="OPTIMIZER:PEAKS, the WSD arm's peaks to try on seed 0, "
                                                     "e.g. adamw:1e-3,3e-3,1e-2")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, among {', '.join(ARMS)}")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, among {', '.join(ARMS)}, and "
+                                                              f"muon_wsd{BFLOAT16_ITERATIONS} (bfloat16 iterations)")
     parser.add_argument("--no_moved_end", action="store_true", help="leave out the moved end's runs")
     parser.add_argument("--root", default="/tmp/andrea-optimizer-study", help="where the runs' workdirs go")
     args = parser.parse_args()
     size, steps = args.size, CONFIGS[args.size]().steps
     rates = {"adamw": args.adamw_rate, "muon": args.muon_rate}
     names = args.arms.split(",")
-    if not set(names) <= set(ARMS) or "adamw_cosine" not in names:
+    if not set(names) <= {*ARMS, f"muon_wsd{BFLOAT16_ITERATIONS}"} or "adamw_cosine" not in names:
         raise SystemExit(f"--arms {args.arms}: choose among {', '.join(ARMS)}, adamw_cosine (the target) among them")
 
     if args.sweep:

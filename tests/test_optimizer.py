@@ -2,6 +2,7 @@
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -150,7 +151,7 @@ def test_muon_s_update_of_each_matrix_is_newton_schulz_of_its_nesterov_momentum(
     """Two updates with no decay and no clipping against NumPy: q, k and v each orthogonalised as the [D, H·K]
     projection it stands for, the output projection as [H·K, D], the MLP's as they are; scaled to AdamW's RMS."""
     c = base_config()
-    c.optimizer.update(dict(name="muon", weight_decay=0.0, grad_clip_norm=1e9))
+    c.optimizer.update(dict(name="muon", weight_decay=0.0, grad_clip_norm=1e9, muon_ns_dtype="float32"))
     params = small_params()
     tx = optimizer.make(c)
     state, rng, beta = tx.init(params), np.random.default_rng(0), c.optimizer.muon_momentum
@@ -186,3 +187,53 @@ def test_muon_s_update_of_each_matrix_is_newton_schulz_of_its_nesterov_momentum(
     np.testing.assert_allclose(updates["token_embed"], adam_updates["token_embed"], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(updates["block_1"]["ln_1"]["scale"], adam_updates["block_1"]["ln_1"]["scale"],
                                rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_muon_s_direction_in_float32_is_optax_s_and_in_bfloat16_within_its_rounding(scan_layers):
+    """Three updates of the Muon group: float32 iterations give optax.contrib's own direction and state; bfloat16
+    iterations the same directions to a few percent, in float32, with the momentum still float32 (whether that
+    trains as well: bench/RESULTS.md's study of the two)."""
+    params = {k: v for k, v in small_params(scan_layers).items() if k.startswith("block")}
+    muon_only = jax.tree_util.tree_map_with_path(
+        lambda path, p: p if optimizer.parameter_name(path) in optimizer.MUON_MATRICES else None, params)
+    dims = jax.tree_util.tree_map_with_path(lambda path, _: optimizer.MUON_MATRICES[optimizer.parameter_name(path)],
+                                            muon_only)
+    reference = optax.contrib.scale_by_muon(ns_steps=5, beta=0.95, nesterov=True, weight_dimension_numbers=dims)
+    ours = {name: optimizer.scale_by_muon(5, 0.95, jnp.dtype(name)) for name in ("float32", "bfloat16")}
+    states = {"optax": reference.init(muon_only), **{name: tx.init(muon_only) for name, tx in ours.items()}}
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), muon_only)
+        expected, states["optax"] = jax.jit(reference.update)(grads, states["optax"])
+        for name, tx in ours.items():
+            got, states[name] = jax.jit(tx.update)(grads, states[name])
+            for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+                assert g.dtype == jnp.float32
+                if name == "float32":
+                    np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+                else:  # five quintic steps amplify bfloat16's 0.4% rounding to a few percent of an entry
+                    g, e = np.ravel(g), np.ravel(e)
+                    assert g @ e / (np.linalg.norm(g) * np.linalg.norm(e)) >= 0.995
+                    assert np.linalg.norm(g) == pytest.approx(np.linalg.norm(e), rel=0.06)
+    for name in ours:  # the same state as optax's: a checkpoint of either restores into the other
+        assert jax.tree.structure(states[name]) == jax.tree.structure(states["optax"])
+        for e, g in zip(jax.tree.leaves(states["optax"]), jax.tree.leaves(states[name])):
+            assert g.dtype == e.dtype
+            np.testing.assert_allclose(g, e, rtol=1e-6)
+
+
+def test_muon_s_iterations_are_float32_on_cpus_and_a_resumed_run_keeps_its_own():
+    """(bfloat16 on a GPU: tests/test_compile_check.py's H200 Muon step.)"""
+    from andrea_jax import resolve
+    c = base_config()
+    c.optimizer.name = "muon"
+    device = jax.devices()[0]
+    assert resolve.for_devices(c, device).optimizer.muon_ns_dtype == "float32"
+    saved = base_config()
+    saved.optimizer.muon_ns_dtype = "bfloat16"
+    assert resolve.for_devices(c, device, saved=saved).optimizer.muon_ns_dtype == "bfloat16"
+    del saved.optimizer["muon_ns_dtype"]  # a run saved before the key computed in float32
+    assert resolve.for_devices(c, device, saved=saved).optimizer.muon_ns_dtype == "float32"
+    with pytest.raises(ValueError, match="muon_ns_dtype='auto' is decided"):
+        optimizer.make(c)

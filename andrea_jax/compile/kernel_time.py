@@ -161,9 +161,9 @@ def _kernel(instruction, shapes, computations, rates, times) -> Kernel:
         called = re.search(r"calls=%([\w.\-]+)", instruction.attributes)
         fused = {i.name: i for i in computations.get(called.group(1), [])} if called else {}
     dots = [i for i in fused.values() if i.opcode in ("dot", "convolution")]
-    if instruction.opcode in ("dot", "convolution") or (custom_target and "gemm" in custom_target.lower()):
-        dots, fused = [instruction], shapes
     kind = kind_of(instruction.name, instruction.opcode, custom_target, bool(dots))
+    if kind == "matrix products" and not dots:  # a dot, or a cuBLAS call with the dot's dimension numbers
+        dots, fused = [instruction], shapes
     read = sum(hbm_traffic.array_bytes(shapes.get(operand, "")) for operand in instruction.operands)
     written = hbm_traffic.array_bytes(instruction.output)
     if instruction.opcode in ("slice", "dynamic-slice"):
