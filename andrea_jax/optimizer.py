@@ -8,6 +8,7 @@ rate logged is the rate applied.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -117,32 +118,57 @@ def muon_groups(params: Any) -> Any:
                                             params)
 
 
-def orthogonalise(update: jax.Array, dims: optax.contrib.MuonDimensionNumbers, steps: int, coefficients: jax.Array,
-                  dtype) -> jax.Array:
-    """Newton–Schulz's quintic iteration towards the nearest semi-orthogonal matrix of each matrix `dims` names
-    in `update` (its other axes are a batch), in `dtype`, after a Frobenius normalisation in the update's own.
-
-    Each step is x ← a·x + (b·G + c·G·G)·x with G = x·xᵀ on the wide side of x (a tall matrix is transposed)."""
+def _as_matrices(update: jax.Array, dims: optax.contrib.MuonDimensionNumbers) -> tuple[jax.Array, Any]:
+    """The matrices `dims` names in `update` as [n, rows, cols] with rows ≤ cols (a tall one transposed), and the
+    function that puts such a stack back into `update`'s shape."""
     axes = [tuple(a % update.ndim for a in ((axis,) if isinstance(axis, int) else axis))
             for axis in (dims.reduction_axis, dims.output_axis)]
     batch = tuple(a for a in range(update.ndim) if a not in axes[0] + axes[1])
     order = batch + axes[0] + axes[1]
     x = update.transpose(order).reshape([math.prod(update.shape[a] for a in group) for group in (batch, *axes)])
     tall = x.shape[1] > x.shape[2]
-    x = jnp.swapaxes(x, 1, 2) if tall else x
+
+    def back(stack: jax.Array) -> jax.Array:
+        stack = jnp.swapaxes(stack, 1, 2) if tall else stack
+        return stack.astype(update.dtype).reshape([update.shape[a] for a in order]).transpose(
+            sorted(range(update.ndim), key=order.__getitem__))
+
+    return (jnp.swapaxes(x, 1, 2) if tall else x), back
+
+
+def newton_schulz(x: jax.Array, steps: int, coefficients: jax.Array, dtype) -> jax.Array:
+    """Newton–Schulz's quintic iteration towards the nearest semi-orthogonal matrix of each of x's [n, rows ≤ cols]
+    matrices, in `dtype`, after a Frobenius normalisation in x's own: x ← a·x + (b·G + c·G·G)·x with G = x·xᵀ."""
     x = (x / (jnp.linalg.norm(x, axis=(1, 2), keepdims=True) + 1e-8)).astype(dtype)
     a, b, c = coefficients.astype(dtype)
     for _ in range(steps):
         gram = x @ jnp.swapaxes(x, 1, 2)
         x = a * x + (b * gram + c * gram @ gram) @ x
-    x = jnp.swapaxes(x, 1, 2) if tall else x
-    return x.astype(update.dtype).reshape([update.shape[a] for a in order]).transpose(
-        sorted(range(update.ndim), key=order.__getitem__))
+    return x
+
+
+def orthogonalise_all(updates: Any, steps: int, coefficients: jax.Array, dtype) -> Any:
+    """`newton_schulz` of every matrix of the Muon group (`MUON_MATRICES`), those of one shape stacked into one
+    batch: one run of kernels for the 12 blocks' MLP matrices, not 12 (an accelerator runs a kernel at a time,
+    and a batch of 768 × 768 products fills its cores where one does not)."""
+    # Inside optax.partition the other group's leaves are MaskedNodes, empty subtrees that have no leaves here.
+    leaves, tree = jax.tree_util.tree_flatten_with_path(updates)
+    stacks = [_as_matrices(leaf, MUON_MATRICES[parameter_name(path)]) for path, leaf in leaves]
+    by_shape: dict[tuple, list[int]] = {}
+    for i, (x, _) in enumerate(stacks):
+        by_shape.setdefault(x.shape[1:], []).append(i)
+    directions = [None] * len(leaves)
+    for members in by_shape.values():
+        together = newton_schulz(jnp.concatenate([stacks[i][0] for i in members]), steps, coefficients, dtype)
+        sizes = [stacks[i][0].shape[0] for i in members]
+        for i, part in zip(members, jnp.split(together, list(itertools.accumulate(sizes))[:-1])):
+            directions[i] = stacks[i][1](part)
+    return jax.tree_util.tree_unflatten(tree, directions)
 
 
 def scale_by_muon(steps: int, momentum: float, dtype) -> optax.GradientTransformation:
     """Muon's direction: Nesterov momentum as optax.contrib's (debiased, in the parameters' dtype), then each
-    matrix orthogonalised (`orthogonalise`) in `dtype`. Its state is optax.contrib.MuonState, so a checkpoint
+    matrix orthogonalised (`orthogonalise_all`) in `dtype`. Its state is optax.contrib.MuonState, so a checkpoint
     of either restores into the other. bfloat16 iterations take an accelerator's tensor cores at their full
     rate (modded-nanogpt and nanochat run them so); float32 is optax's own computation."""
 
@@ -157,11 +183,8 @@ def scale_by_muon(steps: int, momentum: float, dtype) -> optax.GradientTransform
         ahead = optax.tree.bias_correction(mu, momentum, optax.safe_increment(count))
         mu_hat = jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, ahead,
                               optax.tree.bias_correction(updates, momentum, count))
-        # Inside optax.partition the other group's leaves are MaskedNodes, empty subtrees tree_map keeps as they are.
-        directions = jax.tree_util.tree_map_with_path(
-            lambda path, m: orthogonalise(m, MUON_MATRICES[parameter_name(path)], steps, state.ns_coeffs, dtype),
-            mu_hat)
-        return directions, optax.contrib.MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
+        return (orthogonalise_all(mu_hat, steps, state.ns_coeffs, dtype),
+                optax.contrib.MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs))
 
     return optax.GradientTransformation(init, update)
 

@@ -25,9 +25,6 @@ needs_cuda_plugin = pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plug
                                               "pip install -r requirements-gpu-compile.txt")
 
 
-AS_MEASURED = {}  # the settings of the program the H200 ran, where a lever since has changed the default
-
-
 def fitted(topology, **overrides):
     lines = []
     config = andrea120m.get_config()
@@ -222,34 +219,39 @@ def test_muon_s_newton_schulz_shows_in_a_v5e_1_step_s_flops_and_optimizer_bytes(
     assert muon.train_memory.arguments < adamw.train_memory.arguments
 
 
-# The H200's step as `bench/gpu.sh` timed it and `bench/trace_step.py` split it by kind (ms; bench/RESULTS.md,
-# 2026-12-04): the device idle between kernels is what the estimate calls launches.
-H200_MEASURED = {"adamw": (54.2, {"matrix products": 28.0, "attention": 8.6, "other fusions": 16.1, "launches": 2.4}),
-                 "muon": (68.8, {"matrix products": 39.7, "attention": 8.3, "other fusions": 18.2, "launches": 4.8})}
+# The H200's AdamW step as `bench/gpu.sh` timed it and `bench/trace_step.py` split it by kind (ms; bench/RESULTS.md,
+# 2026-12-04): the device idle between kernels is what the estimate calls launches. (Muon's program has changed
+# since it was measured: its calibration is in RESULTS.)
+H200_ADAMW_MEASURED = 54.2, {"matrix products": 28.0, "attention": 8.6, "other fusions": 16.1, "launches": 2.4}
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_the_h200_estimate_is_the_step_the_h200_measured(optimizer):
-    """The one-kernel-at-a-time estimate of the program an H200 ran, against its measured step and trace:
-    within 10% of the step, each kind within 20%. Muon fits in the micro-batches AdamW takes."""
-    steps, target, lines = fitted("h200", **{"optimizer.name": optimizer, **AS_MEASURED})
-    assert_fits_with_the_fewest(steps, target, lines)
-    assert steps.config.microbatches == 1
-    cost = check.step_cost(steps, target)
-    step_ms, kinds_ms = H200_MEASURED[optimizer]
-    assert cost.estimate.seconds * 1e3 == pytest.approx(step_ms, rel=0.10)
+def test_the_h200_estimate_is_the_step_the_h200_measured_and_muon_s_within_a_tenth_of_it():
+    """The one-kernel-at-a-time estimate of the AdamW program an H200 ran, against its measured step and trace:
+    within 10% of the step, each kind within 20%. Muon fits in the micro-batches AdamW takes, its iterations
+    in bfloat16 products, one run of kernels a matrix shape: its step within 10% of AdamW's."""
+    estimates = {}
+    for optimizer in ("adamw", "muon"):
+        steps, target, lines = fitted("h200", **{"optimizer.name": optimizer})
+        assert_fits_with_the_fewest(steps, target, lines)
+        assert steps.config.microbatches == 1
+        estimates[optimizer] = check.step_cost(steps, target).estimate
+    step_ms, kinds_ms = H200_ADAMW_MEASURED
+    assert estimates["adamw"].seconds * 1e3 == pytest.approx(step_ms, rel=0.10)
     for kind, measured in kinds_ms.items():
-        assert cost.estimate.seconds_by_kind[kind] * 1e3 == pytest.approx(measured, rel=0.20), kind
+        assert estimates["adamw"].seconds_by_kind[kind] * 1e3 == pytest.approx(measured, rel=0.20), kind
     line = check.describe(steps, target).splitlines()[-1]
     assert re.fullmatch(r"estimated step, one kernel at a time: [\d.]+ ms \(MFU \d+%\): matrix products [\d.]+, "
                         r"attention [\d.]+, other fusions [\d.]+, copies [\d.]+, launches [\d.]+ \(ms; .*\)", line)
-    if optimizer == "muon":
-        assert cost.optimizer_flops == pytest.approx(
-            12 * 5 * (4 * 6 * 768 ** 3 + 2 * (4 * 768 ** 2 * 3072 + 2 * 768 ** 3)))
-        # Once a step of 32 × 1024 tokens the iterations move ~22 GB in float32 (bench/RESULTS.md)
-        assert cost.hbm_bytes["optimizer"] > 10e9
-        assert "Muon's Newton–Schulz iterations" in check.describe(steps, target)
+    assert estimates["muon"].seconds <= 1.1 * estimates["adamw"].seconds
+    cost, hlo = check.step_cost(steps, target), steps.train.as_text()
+    assert steps.config.optimizer.muon_ns_dtype == "bfloat16"
+    assert cost.optimizer_flops == pytest.approx(12 * 5 * (4 * 6 * 768 ** 3 + 2 * (4 * 768 ** 2 * 3072 + 2 * 768 ** 3)))
+    # The 24 MLP matrices in one batch of bfloat16 Gram products every iteration, and q, k, v and the output
+    # projections (48 of 768 × 768) in another.
+    assert len(re.findall(r"bf16\[24,768,768\]\S* dot\(", hlo)) >= 5
+    assert len(re.findall(r"bf16\[48,768,768\]\S* dot\(", hlo)) >= 5
+    assert "Muon's Newton–Schulz iterations" in check.describe(steps, target)
 
 
 def test_a_target_without_rates_says_the_estimate_needs_them_in_one_line():
