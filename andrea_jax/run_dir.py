@@ -82,6 +82,27 @@ def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     atomic.write(path, json.dumps({"project": PROJECT, "config": json.loads(config.to_json())}, indent=2))
 
 
+def require_writable(directory: str, setting: str, fix: str) -> None:
+    """Makes `directory` if it is missing and writes a file in it that vanishes at close, or raises ConfigError
+    in one line about `setting` (the flag or key and its value) ending in `fix`."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as error:
+        if error.errno == errno.ENOSPC:  # a full disk has its own one line (runtime/atomic.py)
+            raise
+        raise _unusable(error, setting, fix) from None
+
+
+def _unusable(error: OSError, setting: str, fix: str) -> ConfigError:
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ConfigError(f"{setting} cannot be written to ({error.strerror}); make it (or the directory it goes "
+                           f"in) writable, or {fix}")
+    # A path through a file (NotADirectoryError), a file system that refuses new directories, ...
+    return ConfigError(f"{setting} cannot be made ({error.strerror}); every directory on its path must be one that "
+                       f"can hold it; {fix}")
+
+
 def hold(workdir: str) -> int:
     """Takes the run's lock on `workdir`, or raises ConfigError naming the process that holds it (or saying
     that the directory is not writable).
@@ -89,20 +110,14 @@ def hold(workdir: str) -> int:
     The lock is an flock on `run.lock`: the kernel drops it when its holder exits, even by kill -9 or a lost
     machine, so a dead run never blocks the next. Returns the descriptor to keep open for the run's life.
     """
+    # A directory the run cannot write to stops here, before it holds anything.
+    require_writable(workdir, f"--workdir {workdir}", "use another --workdir")
     try:
-        os.makedirs(workdir, exist_ok=True)
-        # A file that vanishes at close: a directory the run cannot write to stops here, before it holds anything.
-        tempfile.TemporaryFile(dir=workdir).close()
         descriptor = os.open(os.path.join(workdir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as error:
-        if error.errno == errno.ENOSPC:  # a full disk has its own one line (runtime/atomic.py)
+        if error.errno == errno.ENOSPC:
             raise
-        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise ConfigError(f"--workdir {workdir} cannot be written to ({error.strerror}); make it (or the "
-                              f"directory it goes in) writable, or use another --workdir") from None
-        # A path through a file (NotADirectoryError), a file system that refuses new directories, ...
-        raise ConfigError(f"--workdir {workdir} cannot be made ({error.strerror}); every directory on its path must "
-                          f"be one that can hold it; use another --workdir") from None
+        raise _unusable(error, f"--workdir {workdir}", "use another --workdir") from None
     try:
         return lock(descriptor)
     except Held as held:

@@ -17,6 +17,8 @@ import pytest
 from andrea_jax import metrics
 from andrea_jax.data import eras, pipeline, token_cache
 from andrea_jax.run_dir import save_config
+from andrea_jax.config import ConfigError
+from tests.test_data_pipeline import unusable_cache_dir
 from tests.test_hf_stream import byte_tokens, make_config, write_jsonl
 from tests.test_resume import checkpoint_steps, logged, wait_for
 
@@ -313,6 +315,13 @@ def test_a_relative_cache_dir_that_does_not_exist_is_checked_without_hanging(tmp
     monkeypatch.chdir(tmp_path)
     with pytest.raises(token_cache.atomic.DiskFull, match=r"^the token cache needs 1000000.00 GB more in not/yet "):
         token_cache.require_space("not/yet", 10**15)
+
+
+@pytest.mark.parametrize("kind", ["file", "read-only"])
+def test_a_streamed_run_whose_cache_dir_cannot_be_used_stops_in_one_line(tmp_path, kind):
+    config = era_config(tmp_path)
+    with pytest.raises(ConfigError, match=unusable_cache_dir(tmp_path, config, kind)):
+        prepared_eras(config, str(tmp_path / "run"))
 
 
 def test_a_hub_dataset_that_moved_since_its_cache_began_is_refused(tmp_path, monkeypatch):

@@ -1,10 +1,11 @@
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 
-from andrea_jax.config import base_config
+from andrea_jax.config import ConfigError, base_config
 from andrea_jax.data import DataError, batcher, pipeline, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers
 
@@ -242,3 +243,36 @@ def test_a_changed_cache_in_a_directory_that_cannot_be_written_is_one_line(tmp_p
                                         r".* writable or point data.cache_dir elsewhere$"):
         pipeline.prepare(config, str(tmp_path / "run"))
     assert os.path.exists(first.train.paths(0)[1])  # nothing deleted
+
+
+def unusable_cache_dir(tmp_path, config, kind: str) -> str:
+    """Points data.cache_dir through a file, or at a read-only directory; returns the line that refuses it."""
+    if kind == "file":
+        (tmp_path / "notes.txt").write_text("a file, not a directory")
+        config.data.cache_dir = str(tmp_path / "notes.txt")
+        why = r"cannot be made \(Not a directory\); every directory on its path must be one that can hold it;"
+    else:
+        os.makedirs(config.data.cache_dir)
+        os.chmod(config.data.cache_dir, 0o555)
+        if os.access(config.data.cache_dir, os.W_OK):
+            pytest.skip("this user writes in a read-only directory (root)")
+        why = r"cannot be written to \(Permission denied\); make it \(or the directory it goes in\) writable, or"
+    return rf"^data.cache_dir {re.escape(config.data.cache_dir)} {why} point data.cache_dir at another directory$"
+
+
+@pytest.mark.parametrize("kind", ["file", "read-only"])
+def test_a_cache_dir_that_cannot_be_used_is_one_line(tmp_path, kind):
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus', num_files=20)}")
+    with pytest.raises(ConfigError, match=unusable_cache_dir(tmp_path, config, kind)):
+        pipeline.prepare(config, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run" / "tokenizer.json")  # a refused run leaves no tokenizer to reuse
+
+
+def test_a_complete_cache_in_a_read_only_directory_is_read(tmp_path):
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus', num_files=20)}")
+    first = pipeline.prepare(config, str(tmp_path / "run"))
+    for directory, _, _ in os.walk(config.data.cache_dir):
+        os.chmod(directory, 0o555)
+    again = pipeline.prepare(config, str(tmp_path / "again"))  # another run of the same source
+    assert (again.train.directory, again.train.planned_tokens) == (first.train.directory, first.train.planned_tokens)
+    assert again.val.path == first.val.path and again.val.num_tokens == first.val.num_tokens

@@ -89,6 +89,7 @@ def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources
         cache = eras.EraCache(cache_directory(cache_dir, identity, tokenizer.sha256), record_path, size,
                               int(record["planned_tokens"]))
         if preparing:
+            token_cache.require_writable(cache.directory)  # the encoder writes every era of the run there
             if cache.planned_tokens != splits.train_tokens:
                 print(f"the run's eras were planned for {cache.planned_tokens:,} tokens of the stream, and it keeps "
                       f"them (these steps would plan {splits.train_tokens:,}; more steps read them again)", flush=True)

@@ -26,6 +26,7 @@ import zlib
 
 import numpy as np
 
+from andrea_jax import run_dir
 from andrea_jax.runtime import atomic
 from andrea_jax.data import DataError
 from andrea_jax.data.sources import Documents
@@ -52,6 +53,13 @@ def cache_directory(cache_dir: str, identity: dict, tokenizer_sha256: str) -> st
     content = json.dumps({"identity": identity, "tokenizer": tokenizer_sha256,
                           "format": FORMAT_VERSION}, sort_keys=True)
     return os.path.join(cache_dir, "tokens", hashlib.sha256(content.encode("utf-8")).hexdigest()[:20])
+
+
+def require_writable(directory: str) -> None:
+    """Makes a token cache's directory (`cache_directory`'s, two levels under data.cache_dir) and writes in it,
+    or stops in one line naming data.cache_dir, as --workdir's are named."""
+    cache_dir = os.path.dirname(os.path.dirname(directory))
+    run_dir.require_writable(directory, f"data.cache_dir {cache_dir}", "point data.cache_dir at another directory")
 
 
 def hf_stream_moved(described: str, recorded: str | None, now: str | None, fix: str) -> DataError:
@@ -198,6 +206,8 @@ def load_or_build(directory: str, name: str, documents: Documents, tokenizer: To
         if (cached := read(tokens_path, manifest_path, rebuild)) is not None:
             return cached  # the common case, lock-free (the cache may sit on a read-only disk)
     require_space(directory, max_tokens * TOKEN_BYTES)  # a finite split's size is known only once encoded
+    if not os.path.exists(manifest_path):  # nothing there to read: a new file (a changed one is said below)
+        require_writable(directory)
     os.makedirs(directory, exist_ok=True)
     # The lock goes with the open file, so a killed build never leaves it held. Where there is no
     # lock to take (a lock file another user owns, a file system without flock) the build goes
