@@ -6,6 +6,7 @@ directory that holds something else, stops with one line before anything in it i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -84,13 +85,13 @@ def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 
 def require_writable(directory: str, setting: str, fix: str) -> None:
     """Makes `directory` if it is missing and writes a file in it that vanishes at close, or raises ConfigError
-    in one line about `setting` (the flag or key and its value) ending in `fix`."""
+    in one line about `setting` (the flag or key and its value) ending in `fix` (DiskFull where the disk is
+    full)."""
     try:
-        os.makedirs(directory, exist_ok=True)
-        tempfile.TemporaryFile(dir=directory).close()
+        with atomic.writing(directory):
+            os.makedirs(directory, exist_ok=True)
+            tempfile.TemporaryFile(dir=directory).close()
     except OSError as error:
-        if error.errno == errno.ENOSPC:  # a full disk has its own one line (runtime/atomic.py)
-            raise
         raise _unusable(error, setting, fix) from None
 
 
@@ -105,17 +106,28 @@ def _unusable(error: OSError, setting: str, fix: str) -> ConfigError:
 
 def hold(workdir: str) -> int:
     """Takes the run's lock on `workdir`, or raises ConfigError naming the process that holds it (or saying
-    that the directory is not writable).
+    that the directory is not writable, or DiskFull); a refused run leaves no directory or lock file it made.
 
     The lock is an flock on `run.lock`: the kernel drops it when its holder exits, even by kill -9 or a lost
     machine, so a dead run never blocks the next. Returns the descriptor to keep open for the run's life.
     """
-    # A directory the run cannot write to stops here, before it holds anything.
-    require_writable(workdir, f"--workdir {workdir}", "use another --workdir")
+    path = os.path.join(workdir, LOCK_FILE)
+    made = _missing(path)
     try:
-        descriptor = os.open(os.path.join(workdir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        # A directory the run cannot write to stops here, before it holds anything.
+        require_writable(workdir, f"--workdir {workdir}", "use another --workdir")
+        with atomic.writing(path):
+            return _lock_run(path, workdir)
+    except BaseException:
+        _remove(made)
+        raise
+
+
+def _lock_run(path: str, workdir: str) -> int:
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as error:
-        if error.errno == errno.ENOSPC:
+        if error.errno in atomic.NO_SPACE:
             raise
         raise _unusable(error, f"--workdir {workdir}", "use another --workdir") from None
     try:
@@ -124,8 +136,29 @@ def hold(workdir: str) -> int:
         raise ConfigError(f"--workdir {workdir} is in use by a training run ({held}); wait for it to end or "
                           f"stop it (it saves and exits on Ctrl-C or SIGTERM), or use another --workdir") from None
     except OSError as error:
+        if error.errno in atomic.NO_SPACE:  # the lock was taken; writing who holds it found no space
+            raise
         raise ConfigError(f"--workdir {workdir} is on a file system without file locks ({error.strerror}), which "
                           f"keep two runs apart; use a local disk or NFS") from None
+
+
+def _missing(path: str) -> list[str]:
+    """`path` and the directories above it that do not exist, deepest first."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove(paths: list[str]) -> None:
+    """Removes what a refused run made, deepest first; a directory something else has written in stays."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            else:
+                os.remove(path)
 
 
 class Held(Exception):
@@ -144,7 +177,11 @@ def lock(descriptor: int, about: str = "") -> int:
         if isinstance(error, BlockingIOError):
             raise Held(holder) from None
         raise
-    os.ftruncate(descriptor, 0)
-    os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, started "
-                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}{about}".encode(), 0)
+    try:
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, started "
+                              f"{time.strftime('%Y-%m-%d %H:%M:%S')}{about}".encode(), 0)
+    except OSError:  # a full disk
+        os.close(descriptor)
+        raise
     return descriptor

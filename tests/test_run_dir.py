@@ -1,7 +1,9 @@
 """The workdir guards: a run's config and tokenizer, foreign directories, damaged checkpoints."""
 
+import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from andrea_jax import checkpoint, metrics, train_loop
 from andrea_jax import run_dir
 from andrea_jax.config import ConfigError, base_config
 from andrea_jax.data import DataError
+from andrea_jax.runtime.atomic import DiskFull
 from andrea_jax.data import tokenizer as tokenizers
 from tests.test_checkpoint import tiny_config
 
@@ -180,3 +183,15 @@ def test_a_workdir_that_cannot_be_made_is_one_line(tmp_path):
                                           r"directory on its path must be one that can hold it; use another --workdir$"):
         run_dir.hold(str(tmp_path / "notes.txt" / "run"))
     assert (tmp_path / "notes.txt").read_text() == "a file, not a directory"
+
+
+def test_a_full_disk_under_a_new_workdir_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(run_dir.os, "pwrite", no_space)  # the lock file is made; the line in it is not
+    workdir = tmp_path / "new" / "run"
+    with pytest.raises(DiskFull, match=rf"^the disk is full: writing {re.escape(str(workdir / run_dir.LOCK_FILE))} "
+                                       r"\([\d.]+ MiB free there\); free some space"):
+        run_dir.hold(str(workdir))
+    assert os.listdir(tmp_path) == []

@@ -11,7 +11,7 @@ from typing import Iterator
 
 from andrea_jax import UserError
 
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # How tensorstore (under Orbax) reports a failed write: the file, then the OS error.
 _TENSORSTORE_NO_SPACE = re.compile(r'Failed writing: "([^"]+)".*(No space left on device|Disk quota exceeded)')
 
@@ -37,7 +37,7 @@ def as_disk_full(error: BaseException) -> DiskFull | None:
     for cause in (error, error.__cause__, error.__context__):
         if isinstance(cause, DiskFull):
             return cause
-        if isinstance(cause, OSError) and cause.errno in _NO_SPACE and cause.filename:
+        if isinstance(cause, OSError) and cause.errno in NO_SPACE and cause.filename:
             return disk_full(cause.filename)
         found = _TENSORSTORE_NO_SPACE.search(str(cause)) if cause is not None else None
         if found:
@@ -51,7 +51,7 @@ def writing(path: str) -> Iterator[None]:
     try:
         yield
     except OSError as error:
-        if error.errno in _NO_SPACE:
+        if error.errno in NO_SPACE:
             raise disk_full(path) from error
         raise
 
