@@ -149,6 +149,23 @@ def test_truncated_cache_is_rebuilt_on_the_next_run(tmp_path, capsys):
     assert "was changed after it was encoded (100 bytes of tokens where its manifest says" in capsys.readouterr().out
 
 
+def test_a_start_checks_the_shared_caches_by_their_size_without_reading_them_whole(tmp_path, monkeypatch):
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus')}")
+    workdir = str(tmp_path / "run")
+    first = pipeline.prepare(config, workdir)
+    summed = []
+    monkeypatch.setattr(token_cache, "crc32", lambda tokens, *chunk: summed.append(tokens.size) or 0)
+    for is_leader in (True, False):
+        again = pipeline.prepare(config, workdir, is_leader=is_leader)
+        assert again.train.verified(0) is not None  # the loop opens the one era
+    assert summed == []
+    with open(first.val.path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(DataError, match=r"val\.bin was changed after it was encoded \(100 bytes of tokens where its "
+                                        r"manifest says [\d,]+\); put data.cache_dir on a filesystem all processes"):
+        pipeline.prepare(config, workdir, is_leader=False)
+
+
 def test_validation_split_smaller_than_one_batch_is_refused(tmp_path):
     config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus')}")
     config.batch_size, config.seq_len = 64, 1024

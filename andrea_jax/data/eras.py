@@ -100,7 +100,7 @@ class EraCache:
         in one line."""
         fix = (f"delete {os.path.basename(self.paths(era)[1])} there and run the same command to resume: the era is "
                f"encoded again")
-        # A split of one era was checked when it was prepared, before the first step.
+        # A split of one era was checked when it was prepared, before the first step, by its manifest and size.
         split = token_cache.read(*self.paths(era), fix, f"era {era} of the training split in {self.directory}",
                                  checksum=self.encoded_beside_training)
         return None if split is None else split.tokens

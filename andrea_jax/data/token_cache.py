@@ -4,10 +4,12 @@ Every cache lives in `<cache_dir>/tokens/<key>/`, the key a hash of the source i
 tokenizer and the format, so a changed source or tokenizer gets a new directory. `encode` writes a
 stretch of a split's token stream (an era: `eras.py`) as `<file>.tmp`, renames it into place and
 returns the manifest, which its caller writes last: a killed build never leaves a file that looks
-complete. The manifest holds the file's size and CRC-32: a file shortened or overwritten since is
-found when it is read. `load_or_build` makes a whole split one file, built once and shared by the runs
+complete. The manifest holds the file's size and CRC-32, taken as the file is written: a file shortened
+since is found when it is read, one overwritten since when it is read with its checksum (an era, as the
+training loop opens it). `load_or_build` makes a whole split one file, built once and shared by the runs
 of its source (validation, and training splits read before the first step), taking turns through a
-lock file (flock: local disks, NFS with locking; GCS FUSE grants it per machine only).
+lock file (flock: local disks, NFS with locking; GCS FUSE grants it per machine only); every start
+checks it by its manifest and size, not by a read of the whole file.
 """
 
 from __future__ import annotations
@@ -93,10 +95,13 @@ def crc32(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
 
 
 def read(tokens_path: str, manifest_path: str, fix: str, described: str = "",
-         checksum: bool = True) -> TokenSplit | None:
+         checksum: bool = False) -> TokenSplit | None:
     """The file's tokens (a read-only memmap) once its manifest is written, else None; a file that is not what
     its manifest describes (shortened, removed or, `checksum` checked, overwritten since) is a DataError about
-    `described` (default: the file) ending in `fix`."""
+    `described` (default: the file) ending in `fix`.
+
+    The checksum reads the whole file: an era is checked as it is opened, while a shared one-file cache,
+    which every process of every run opens at its start, is checked by its manifest and its size."""
     try:
         with open(manifest_path, encoding="utf-8") as f:
             manifest = json.load(f)
@@ -240,4 +245,4 @@ def load_or_build(directory: str, name: str, documents: Documents, tokenizer: To
             print(f"note: the {split} split ends after {manifest['num_tokens']:,} tokens, fewer than the "
                   f"{max_tokens:,} asked for; the run repeats its text more often", flush=True)
         atomic.write(manifest_path, json.dumps({"split": split, **manifest}, indent=1))
-        return read(tokens_path, manifest_path, rebuild, checksum=False)  # its checksum was just computed
+        return read(tokens_path, manifest_path, rebuild)  # its checksum was computed from the tokens written
