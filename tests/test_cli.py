@@ -90,6 +90,38 @@ def test_a_read_only_workdir_is_one_line_and_exit_status_2(tmp_path):
     assert {path: path.read_bytes() for path in started.iterdir()} == before
 
 
+@pytest.mark.parametrize("jax_now, platforms", [
+    ("no TPU chip", ["cpu"]),
+    ("a TPU chip", []),
+    ("the module moved", []),  # JAX picks the platforms itself, as without libtpu
+    ("the function renamed", []),
+])
+def test_the_absent_tpu_check_degrades_to_jax_choosing_when_its_private_module_moves(jax_now, platforms, monkeypatch):
+    import importlib.metadata
+    import importlib.util
+    import jax
+    import jax._src
+    from jax._src import hardware_utils
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("JAX_FORCE_TPU_INIT", raising=False)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object() if name == "libtpu" else
+                        None if name == "jax_plugins" else find_spec(name, *args))
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id",
+                        lambda: (int(jax_now == "a TPU chip"), None))
+    if jax_now == "the module moved":
+        monkeypatch.delattr(jax._src, "hardware_utils")
+        monkeypatch.setitem(sys.modules, "jax._src.hardware_utils", None)  # importing it raises ImportError
+    elif jax_now == "the function renamed":
+        monkeypatch.delattr(hardware_utils, "num_available_tpu_chips_and_device_id")
+    asked = []
+    monkeypatch.setattr(jax.config, "update", lambda name, value: asked.append((name, value)))
+    cli._leave_out_an_absent_tpu()
+    assert asked == [("jax_platforms", platform) for platform in platforms]
+
+
 def test_a_command_on_a_host_without_a_tpu_does_not_start_libtpu():
     """With libtpu installed (for the TPU compile check) and no platform asked for, a CPU command's stderr
     holds none of libtpu's start-up errors."""

@@ -245,7 +245,7 @@ def test_a_cache_an_older_commit_wrote_is_read_as_it_is(tmp_path, capsys):
     capsys.readouterr()
     again = pipeline.prepare(config, str(tmp_path / "run"))
     assert capsys.readouterr().out == ""  # nothing encoded again
-    assert again.train == first.train and whole_train(again).manifest == older
+    assert again.train == first.train and again.train.manifest(0) == older
     np.testing.assert_array_equal(whole_train(again).tokens, train.tokens)
 
 

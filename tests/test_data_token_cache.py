@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import subprocess
@@ -38,20 +39,24 @@ def test_documents_are_encoded_with_end_of_text_after_each(tmp_path):
     assert split.tokens.tolist() == expected
     assert split.num_tokens == len(expected)
     assert split.num_bytes == sum(len(d.encode("utf-8")) for d in DOCS)
-    manifest = split.manifest
+    with open(os.path.join(directory, "train.json")) as f:
+        manifest = json.load(f)
     assert (manifest["split"], manifest["vocab_size"]) == ("train", 257)
     assert manifest["tokenizer_sha256"] == ByteTokenizer().sha256
     assert manifest["crc32"] == zlib.crc32(open(split.path, "rb").read())
     assert sorted(os.listdir(directory)) == ["train.bin", "train.json", "train.lock"]
+    # The manifest's other fields no reader needs: the split does not carry them.
+    assert [field.name for field in dataclasses.fields(split)] == ["tokens", "num_tokens", "num_bytes", "path"]
 
 
 def test_a_tokenizer_without_end_of_text_joins_documents(tmp_path):
     """nanoGPT's char vocabulary has no end-of-text: the documents abut, as in its train.bin."""
     documents = ["abc", "", "ca\nb"]
     tokenizer = CharTokenizer("abc\n", end_of_text=False)
-    _, split = build(tmp_path, documents, tokenizer)
+    directory, split = build(tmp_path, documents, tokenizer)
     assert split.tokens.tolist() == tokenizer.encode("abcca\nb") == [1, 2, 3, 3, 1, 0, 2]
-    assert split.manifest["vocab_size"] == 4
+    with open(os.path.join(directory, "train.json")) as f:
+        assert json.load(f)["vocab_size"] == 4
 
 
 def test_many_batches_match_one_encoding(tmp_path):

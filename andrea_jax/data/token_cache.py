@@ -46,7 +46,6 @@ class TokenSplit:
     tokens: np.ndarray  # uint16, read-only memmap; documents end with end-of-text
     num_tokens: int
     num_bytes: int  # UTF-8 bytes of the split's text, for bits per byte
-    manifest: dict
     path: str
 
 
@@ -118,7 +117,7 @@ def read(tokens_path: str, manifest_path: str, fix: str, described: str = "",
     else:
         tokens = np.memmap(tokens_path, dtype=TOKEN_DTYPE, mode="r", shape=(num_tokens,))
         if not checksum or "crc32" not in manifest or crc32(tokens) == manifest["crc32"]:  # older files have none
-            return TokenSplit(tokens, num_tokens, int(manifest.get("num_bytes", 0)), manifest, tokens_path)
+            return TokenSplit(tokens, num_tokens, int(manifest.get("num_bytes", 0)), tokens_path)
         found = "tokens that are not those its manifest's checksum describes"
     raise DataError(f"{described or tokens_path} was changed after it was encoded ({found}); {fix}")
 

@@ -53,9 +53,14 @@ def _leave_out_an_absent_tpu() -> None:
             or importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")):
         return
     import jax
-    from jax._src import hardware_utils  # the check JAX's own TPU start-up makes
 
-    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+    try:  # the check JAX's own TPU start-up makes; JAX has no public one, and may move this
+        from jax._src import hardware_utils
+
+        tpu_chips = hardware_utils.num_available_tpu_chips_and_device_id()[0]
+    except (ImportError, AttributeError, TypeError, IndexError, OSError):
+        return  # JAX picks the platforms itself, as it does where libtpu is not installed
+    if tpu_chips == 0:
         jax.config.update("jax_platforms", "cpu")
 
 
