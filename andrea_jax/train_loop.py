@@ -51,7 +51,10 @@ class TrainingStopped(UserError):
 
 @contextlib.contextmanager
 def _stop_signals() -> Iterator[list[str]]:
-    """Remembers SIGTERM/SIGINT (their names, in the list it yields) so the loop can finish the step and save first."""
+    """Remembers SIGTERM/SIGINT (their names, in the list it yields) so the loop can finish the step and save first.
+
+    A signal the process was started ignoring (Ctrl-C in a job a script put in the background) stays ignored,
+    as it is before the first step, where Python leaves it so."""
     received: list[str] = []
     previous = {}
 
@@ -62,6 +65,8 @@ def _stop_signals() -> Iterator[list[str]]:
         signal.signal(signal.SIGINT, previous.get(signal.SIGINT, signal.default_int_handler))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            continue
         try:
             previous[sig] = signal.signal(sig, remember)
         except ValueError:  # not the main thread: signals stay with the caller

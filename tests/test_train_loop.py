@@ -397,3 +397,17 @@ def test_ctrl_c_while_the_step_compiles_stops_at_once_in_one_line_and_removes_th
     assert err.strip().splitlines()[-1].startswith("error: stopped by Ctrl-C before the first step"), err[-2000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert "mesh " in out and "step 1" not in out and not workdir.exists()
+
+
+@pytest.mark.parametrize("inherited, remembered", [(signal.SIG_IGN, []), (signal.default_int_handler, ["SIGINT"])])
+def test_a_ctrl_c_the_run_was_started_ignoring_is_ignored_in_training_too(inherited, remembered):
+    """A background job's SIGINT is ignored from its start (Python keeps an inherited SIG_IGN): training keeps it so."""
+    previous = signal.signal(signal.SIGINT, inherited)
+    try:
+        with train_loop._stop_signals() as received:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs in the main thread between bytecodes
+            assert received == remembered
+        assert signal.getsignal(signal.SIGINT) == inherited
+    finally:
+        signal.signal(signal.SIGINT, previous)
