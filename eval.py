@@ -50,11 +50,14 @@ def _argument(argv: list[str], name: str) -> str | None:
     return None
 
 
+_CONFIG_HELP = ("A config file such as configs/tiny.py, replacing the run's config.json (default: that file); "
+                "--config.x=y changes a key of either")
+
+
 def _define_config_flag(argv: list[str]) -> None:
     """--config is a file when given, else the workdir's config.json, so --config.x=y works on either."""
     if _argument(argv, "config") is not None:
-        config_flags.DEFINE_config_file("config", None, "Config file replacing the run's config.json",
-                                        lock_config=False)
+        config_flags.DEFINE_config_file("config", None, _CONFIG_HELP, lock_config=False)
         return
     from andrea_jax import run_dir
     from andrea_jax.config import ConfigError
@@ -64,7 +67,7 @@ def _define_config_flag(argv: list[str]) -> None:
         saved = run_dir.load_saved_config(workdir) if workdir and os.path.isdir(workdir) else None
     except ConfigError:
         saved = None  # main() reports it
-    config_flags.DEFINE_config_dict("config", saved or ml_collections.ConfigDict(), lock_config=False)
+    config_flags.DEFINE_config_dict("config", saved or ml_collections.ConfigDict(), _CONFIG_HELP, lock_config=False)
 
 
 def _hellaswag_rows(restored, leader: bool):

@@ -146,6 +146,15 @@ def test_a_tokenizer_without_end_of_text_trains_and_scores(tmp_path):
     assert np.isfinite(evaluate.score(restored, split, batches=1)["loss"])
 
 
+def test_helpshort_says_what_config_takes():
+    result = subprocess.run([sys.executable, "eval.py", "--helpshort"], capture_output=True, text=True, timeout=60,
+                            cwd=ROOT)
+    help_text = " ".join(result.stdout.split())
+    assert "--config: A config file such as configs/tiny.py, replacing the run's config.json (default: that file); " \
+           "--config.x=y changes a key of either" in help_text, result.stdout
+    assert "ConfigDict instance" not in help_text
+
+
 def test_missing_workdir_and_bad_flags_fail_with_one_line(tmp_path):
     for args, message in [
         (["--workdir", str(tmp_path / "nowhere")], f"--workdir {tmp_path / 'nowhere'} does not exist"),
