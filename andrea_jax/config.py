@@ -80,8 +80,9 @@ def base_config() -> ml_collections.ConfigDict:
     d.val_split = "validation"  # used when the dataset has it
     d.val_fraction = 0.05  # held out by document when it has not
     d.tokenizer_train_bytes = 64_000_000  # bound on the BPE training sample
-    # hf: sources are streamed: training tokens to take (0 = 1.1 × steps × batch_size × (seq_len + 1)),
-    # and the documents held out for validation (of val_split if the dataset has it, else the
+    # hf: sources are streamed: training tokens to take (0 = what the steps read: exactly their windows in
+    # data.order="epochs", a tenth more in "random", whose windows are drawn with replacement), and the documents
+    # held out for validation (of val_split if the dataset has it, else the
     # stream's first, which training skips).
     d.stream_tokens = 0
     d.stream_val_documents = 4000
@@ -209,7 +210,8 @@ RULES = (
     ("model.activation", _one_of("gelu_tanh", "gelu_exact", "relu", "swiglu")),
     ("model.mlp_ratio", _at_least(0, "0 = use model.mlp_dim")),
     ("data.val_fraction", ((lambda value: 0.0 < value <= 0.5), "must be in (0, 0.5]")),
-    ("data.stream_tokens", _at_least(0, "0 = 1.1 × the tokens the run's steps read")),
+    ("data.stream_tokens", _at_least(0, "0 = what the steps read: exactly their windows in data.order='epochs', "
+                                        "a tenth more in 'random'")),
     ("data.stream_val_documents", _at_least(1)),
     ("data.order", _one_of("epochs", "random")),
     ("data.era_windows", _at_least(1)),

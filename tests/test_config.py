@@ -59,7 +59,8 @@ def test_config_files_are_the_expected_models():
     (dict(steps=0), "steps=0 must be >= 1"),
     (dict(optimizer=dict(grad_clip_norm=0.0)), "a clip of 0 zeroes every gradient"),
     (dict(data=dict(val_fraction=0.0)), "data.val_fraction=0.0 must be in (0, 0.5]"),
-    (dict(data=dict(stream_tokens=-1)), "data.stream_tokens=-1 must be >= 0 (0 = 1.1 × the tokens"),
+    (dict(data=dict(stream_tokens=-1)), "data.stream_tokens=-1 must be >= 0 (0 = what the steps read: exactly their "
+                                         "windows in data.order='epochs', a tenth more in 'random')"),
     (dict(data=dict(stream_val_documents=0)), "data.stream_val_documents=0 must be >= 1"),
     (dict(optimizer=dict(name="sgd")), "optimizer.name='sgd' is not one of 'adamw', 'muon'"),
     (dict(optimizer=dict(decay="wsd", cooldown_shape="cosine")), "optimizer.cooldown_shape='cosine' is not one of"),
@@ -165,3 +166,9 @@ def test_the_fineweb5b_recipe_is_muon_with_wsd_on_five_billion_tokens():
     assert c.data.source == llmc.data.source
     for key in ("model", "batch_size", "seq_len", "hellaswag", "eval_every", "checkpoint_every"):
         assert c[key] == llmc[key]
+
+
+def test_the_readme_says_what_stream_tokens_0_takes_as_the_config_does():
+    with open(pathlib.Path(__file__).parent.parent / "README.md", encoding="utf-8") as f:
+        row = next(line for line in f if line.startswith("| `data.stream_tokens`"))
+    assert "(0 = what the steps read: exactly their windows in `data.order='epochs'`, a tenth more in `'random'`)" in row
