@@ -127,11 +127,20 @@ def products_computed(name: str, length: int, width: int, device_kind: str) -> f
     keys whole. XLA's attention on a TPU computes the whole square."""
     if name != "splash":
         return 1.0
+    forward, backward = kernel_shares(name, length, width, device_kind)
+    return (2 * forward + 5 * backward) / 6
+
+
+def kernel_shares(name: str, length: int, width: int, device_kind: str) -> tuple[float, float]:
+    """The shares of the L × L square a fused attention kernel's forward and backward compute: half for
+    cuDNN's causal kernel; the splash kernel's blocks on and below the diagonal, of its padded square."""
+    if name != "splash":
+        return 0.5, 0.5
     block, padded = _block_and_padded(length)
     blocks = padded // block
-    forward = (blocks + 1) / (2 * blocks)
-    backward = 1.0 if keys_whole_in_backward(device_kind, length, width) else forward
-    return (padded / length) ** 2 * (2 * forward + 5 * backward) / 6
+    forward = (padded / length) ** 2 * (blocks + 1) / (2 * blocks)
+    backward = (padded / length) ** 2 if keys_whole_in_backward(device_kind, length, width) else forward
+    return forward, backward
 
 
 def _splash_one_shard(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,

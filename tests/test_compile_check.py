@@ -56,6 +56,11 @@ def test_andrea120m_as_typed_fits_one_colab_tpu_by_itself_in_one_microbatch(topo
     # Heads of 64 fill half of a v5e's 128-wide matrix units and a quarter of a v6e's 256-wide ones.
     assert cost.attention_fill == {"v5e-1": 0.5, "v6e-1": 0.25}[topology]
     assert "attention's products fill" in check.describe(steps, target)
+    # The estimate counts the products XLA writes as convolutions: 17.97 T, as the GPUs' programs count theirs.
+    product_flops = sum(k.flops * k.times for k in cost.estimate.kernels if k.kind == "matrix products")
+    assert product_flops == pytest.approx(17.97e12, rel=0.01)
+    assert cost.estimate.seconds >= 0.95 * cost.roofline_seconds
+    assert "not yet calibrated" in check.describe(steps, target).splitlines()[-1]
     if topology == "v5e-1":  # compute-bound: splash's 7/8 of attention's 113.2 M FLOPs a token at half the rate
         assert cost.mfu_bound == pytest.approx(662.5 / (662.5 - 113.2 + 113.2 * 0.875 / 0.5), abs=1e-3)
     else:  # bandwidth-bound: the backward takes the keys whole, so q's gradient has no partial sum per key block

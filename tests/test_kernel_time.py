@@ -2,7 +2,7 @@
 
 import pytest
 
-from andrea_jax.compile import kernel_time, targets
+from andrea_jax.compile import hbm_traffic, kernel_time, targets
 
 # A large bf16 product (Triton's GEMM fusion), a small float32 one in a loop of 5 trips, causal cuDNN
 # attention forward and backward, a reduction fusion and a layout copy.
@@ -116,3 +116,18 @@ def test_every_gpu_target_has_rates_and_the_h200_s_are_its_own_measurements():
     assert h200.calibrated and h200.products["16-bit"] == 790e12 and h200.memory_bytes_per_second == 2.6e12
     a100 = targets.gpu_rates("a100_40gb", 1.555e12, 108)
     assert not a100.calibrated and a100.products["16-bit"] == pytest.approx(312e12 * 790 / 989)
+
+
+def test_a_tpu_s_convolution_is_counted_as_the_product_it_stands_for():
+    """XLA's TPU compiler writes x[B·L, 16] · w[16, 3·4] as a convolution whose padded window slides over a
+    size-1 input: one tap lands inside it for each output position, so its FLOPs are the product's."""
+    shapes = {"a": "bf16[2,8,16,1]{3,2,1,0}", "w": "bf16[16,3,4,1]{3,2,1,0}"}
+    conv = hbm_traffic.Instruction(
+        "convolution.1", "convolution", "bf16[2,8,3,4]{3,2,1,0}", ("a", "w"),
+        ", window={size=1x3 pad=0_0x2_2 rhs_reversal=0x1}, dim_labels=0bf1_i1o0->0b1f", "")
+    assert kernel_time.convolution_flops(conv, shapes) == 2 * (2 * 8) * 16 * (3 * 4)
+    # A window as long as its input and no padding (a weight gradient summed over a spatial batch): every tap.
+    shapes = {"a": "bf16[32,16,8]{2,1,0}", "w": "bf16[32,8,4]{2,1,0}"}
+    wgrad = hbm_traffic.Instruction("convolution.2", "convolution", "bf16[1,16,4]{2,1,0}", ("a", "w"),
+                                    ", window={size=32}, dim_labels=0bf_0io->0bf", "")
+    assert kernel_time.convolution_flops(wgrad, shapes) == 2 * 16 * 4 * 8 * 32

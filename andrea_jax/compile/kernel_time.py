@@ -112,23 +112,45 @@ def wave_efficiency(batch: int, m: int, n: int, k: int, cores: int) -> float:
     return filled * pieces / (math.ceil(pieces / cores) * cores)
 
 
-def attention_flops(call: hbm_traffic.Instruction, shapes: dict[str, str]) -> float:
+def attention_flops(call: hbm_traffic.Instruction, shapes: dict[str, str], shares: tuple[float, float]) -> float:
     """FLOPs of a fused attention call: q·kᵀ and p·v forward (4·B·H·Lq·Lk·D), 2.5 times that backward (the
-    scores again, then dV, dP, dQ, dK), halved under a causal mask. q and k are its first two operands,
-    [B, L, H, D] or [B, H, L, D] with D last; the longer of the middle two is L."""
-    _, q = _dims(shapes[call.operands[0]])
-    _, key = _dims(shapes[call.operands[1]])
+    scores again, then dV, dP, dQ, dK), each at the share of the L × L square the kernel computes under the
+    causal mask (`shares`: forward, backward). q and k are its first two 4-D operands, [B, L, H, D] or
+    [B, H, L, D] with D last; the longer of the middle two is L."""
+    q, key = [_dims(shapes[o])[1] for o in call.operands if len(_dims(shapes.get(o, "pred[]"))[1]) == 4][:2]
     batch, width = q[0], q[-1]
     heads, q_len = sorted(q[1:3])
-    key_len = max(key[1:3])
-    forward = 4 * batch * heads * q_len * key_len * width
-    backward = "backward" in call.attributes.lower() or "bwd" in call.name
-    causal = re.search(r"causal", call.attributes, re.I) is not None
-    return forward * (2.5 if backward else 1.0) * (0.5 if causal else 1.0)
+    forward = 4 * batch * heads * q_len * max(key[1:3]) * width
+    backward = "backward" in call.attributes.lower() or re.search(r"bwd|backward", call.name) is not None
+    return forward * 2.5 * shares[1] if backward else forward * shares[0]
 
 
-def estimate(hlo_text: str, rates) -> Estimate:
-    """The serial time of a run of `hlo_text` at `rates` (`targets.KernelRates`).
+def convolution_flops(conv: hbm_traffic.Instruction, shapes: dict[str, str]) -> float:
+    """FLOPs of a convolution (how XLA's TPU compiler writes a product): 2 × the output's batch and feature
+    elements × the input features a group × the window's taps that land inside the input, summed over the
+    output positions of each spatial dimension (the TPU's padded windows over a size-1 input take one tap)."""
+    lhs_labels, _, out_labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", conv.attributes).groups()
+    _, lhs = _dims(shapes[conv.operands[0]])
+    _, out = _dims(conv.output)
+    window = re.search(r"window=\{([^}]*)\}", conv.attributes)
+    sizes = [int(n) for n in re.search(r"size=([\dx]+)", window.group(1)).group(1).split("x")] if window else []
+    pads = re.search(r"pad=([\d_x]+)", window.group(1)) if window else None
+    lows = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * len(sizes)
+    groups = re.search(r"feature_group_count=(\d+)", conv.attributes)
+    taps = 1
+    for d, size in enumerate(sizes):
+        length, positions = lhs[lhs_labels.index(str(d))], out[out_labels.index(str(d))]
+        taps *= sum(max(0, min(positions, length + lows[d] - t) - max(0, lows[d] - t)) for t in range(size))
+    spatial = "".join(str(d) for d in range(len(sizes)))
+    rest = math.prod(n for label, n in zip(out_labels, out) if label not in spatial)
+    return 2.0 * rest * lhs[lhs_labels.index("f")] / (int(groups.group(1)) if groups else 1) * taps
+
+
+def estimate(hlo_text: str, rates, attention_shares: tuple[float, float] = (0.5, 0.5),
+             attention_fill: float = 1.0) -> Estimate:
+    """The serial time of a run of `hlo_text` at `rates` (`targets.KernelRates`); attention's kernels compute
+    `attention_shares` of the causal square (forward, backward) at `attention_fill` of their rate (a TPU's
+    matrix units that heads narrower than them fill partly).
 
     Raises MissingRate when the program runs a kind of kernel the rates have no figure for."""
     computations, entry = hbm_traffic.parse(hlo_text)
@@ -143,9 +165,11 @@ def estimate(hlo_text: str, rates) -> Estimate:
                 for called in re.findall(r"(?:body|to_apply)=%([\w.\-]+)", instruction.attributes):
                     walk(called, times * trips)
                 continue
-            if instruction.opcode in hbm_traffic.FREE or instruction.opcode.endswith("-done"):
+            # An asynchronous copy or slice (a TPU's prefetch into on-chip memory) runs beside the kernels.
+            if instruction.opcode in hbm_traffic.FREE or instruction.opcode.endswith(("-start", "-done")):
                 continue
-            kernels.append(_kernel(instruction, shapes, computations, rates, times))
+            kernels.append(_kernel(instruction, shapes, computations, rates, times, attention_shares,
+                                   attention_fill))
 
     walk(entry, 1)
     by_kind = {kind: sum(k.seconds * k.times for k in kernels if k.kind == kind) for kind in KINDS}
@@ -153,7 +177,7 @@ def estimate(hlo_text: str, rates) -> Estimate:
     return Estimate(kernels, by_kind)
 
 
-def _kernel(instruction, shapes, computations, rates, times) -> Kernel:
+def _kernel(instruction, shapes, computations, rates, times, attention_shares, attention_fill) -> Kernel:
     custom_target = re.search(r'custom_call_target="([^"]+)"', instruction.attributes)
     custom_target = custom_target.group(1) if custom_target else ""
     fused = {}
@@ -173,11 +197,18 @@ def _kernel(instruction, shapes, computations, rates, times) -> Kernel:
     if kind == "attention":
         if not rates.attention:
             raise MissingRate("attention")
-        flops = attention_flops(instruction, shapes)
-        compute_seconds = flops / rates.attention
+        flops = attention_flops(instruction, shapes, attention_shares)
+        compute_seconds = flops / (rates.attention * attention_fill)
     elif kind == "matrix products":
         fused_shapes = {name: i.output for name, i in fused.items()} if fused is not shapes else shapes
         for dot in dots:
+            if dot.opcode == "convolution":  # a TPU's: its matrix units have no waves to fill
+                dtype = DTYPE_RATES.get(_dims(fused_shapes[dot.operands[0]])[0])
+                if not rates.products.get(dtype):
+                    raise MissingRate(f"{dtype} products")
+                flops += convolution_flops(dot, fused_shapes)
+                compute_seconds += convolution_flops(dot, fused_shapes) / rates.products[dtype]
+                continue
             dtype, batch, m, n, k = product_shape(dot, fused_shapes)
             rate = rates.products.get(DTYPE_RATES.get(dtype, dtype))
             if not rate:

@@ -13,6 +13,7 @@ import math
 import os
 import pathlib
 import re
+from andrea_jax import flops
 from andrea_jax.config import ConfigError
 
 GIB = 2 ** 30
@@ -131,8 +132,14 @@ def tpu(name: str) -> Target:
         raise ConfigError(f"--topology {name} needs XLA's TPU compiler ({str(error).splitlines()[0][:120]}); "
                           f'pip install "jax[tpu]=={jax.__version__}"') from error
     devices = list(topology.devices)
+    peak = flops.device_peak_flops(devices[0])
+    # Published figures only: no TPU step has been measured. A TPU runs one fusion at a time with no launch
+    # from the host between them; float32 products run as bfloat16 passes at JAX's default precision.
+    rates = KernelRates(products={"16-bit": peak, "float32": peak}, attention=peak,
+                        memory_bytes_per_second=hbm_bytes_per_second, launch_seconds=0.0, cores=1,
+                        source="Cloud TPU's published peak and bandwidth", calibrated=False)
     return Target(name, devices, hbm_bytes, f"{generation} HBM a chip", len({d.process_index for d in devices}),
-                  hbm_bytes_per_second, matrix_unit_width)
+                  hbm_bytes_per_second, matrix_unit_width, rates)
 
 
 def gpu_names() -> list[str]:
