@@ -52,7 +52,7 @@ def gpu_rates(name: str, bandwidth: float, cores: int) -> KernelRates | None:
     half, single = GPU_PEAKS[name]
     measured = H200_MEASURED
     if name == "h200":
-        return KernelRates(**measured, cores=cores, source="measured on this chip (bench/RESULTS.md)",
+        return KernelRates(**measured, cores=cores, source="measured on an H200 (bench/RESULTS.md)",
                            calibrated=True)
     return KernelRates(
         products={"16-bit": half * measured["products"]["16-bit"] / h200_16bit,
