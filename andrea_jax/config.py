@@ -127,7 +127,8 @@ def base_config() -> ml_collections.ConfigDict:
     o.grad_clip_norm = 1.0
     o.muon_momentum = 0.95  # Muon's Nesterov momentum
     o.muon_ns_steps = 5  # Newton–Schulz iterations orthogonalising each update
-    # The iterations' dtype: "auto" = bfloat16 on GPUs and TPUs (their matrix units' full rate), float32 on CPUs
+    # The iterations' dtype: "auto" = bfloat16 on GPUs and TPUs that compute in it (their matrix units' full
+    # rate), float32 on CPUs and on a T4 (no bfloat16 tensor cores)
     o.muon_ns_dtype = "auto"
 
     # Mesh axis sizes; -1 takes the devices the other axes leave.
