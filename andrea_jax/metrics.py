@@ -57,11 +57,14 @@ class Writer:
 
     def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0,
                  config: ml_collections.ConfigDict | None = None):
-        """With `config.wandb.project` set, every record also goes to W&B (`wandb_mirror.py`)."""
+        """With `config.wandb.project` set, every record also goes to W&B (`wandb_mirror.py`), which is first
+        given the workdir's records up to `start_step` that it lacks."""
         self.enabled = enabled
         if not enabled:
             return
-        self._wandb = wandb_mirror.Mirror(workdir, config) if config is not None and config.wandb.project else None
+        # Made after truncate_after: the records it finds are those up to start_step, which W&B must hold.
+        self._wandb = wandb_mirror.Mirror(workdir, config, start_step, read(workdir)) \
+            if config is not None and config.wandb.project else None
         self._path = os.path.join(workdir, METRICS_FILE)
         self._jsonl = open(self._path, "a")
         # An event file's name has whole seconds only, and an existing file of that name is

@@ -4,6 +4,7 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import struct
 
@@ -47,19 +48,37 @@ def wandb_records(path):
             yield wandb_internal_pb2.Record.FromString(pending)
 
 
-def wandb_history(workdir):
-    """{run id: [each logged row as a dict]} over the offline runs W&B wrote in the workdir, in order."""
-    runs = {}
+def wandb_sessions(workdir):
+    """Each offline W&B run file in the workdir, in order: (its run id, the (run, step) it was rewound or
+    forked to, or None, its config, [each logged row as a dict])."""
+    sessions = []
     for path in sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb"))):
+        rows = []
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                rows = runs.setdefault(record.run.run_id, [])
-                config = {item.key: json.loads(item.value_json) for item in record.run.config.update}
+                run = record.run
+                branch = (run.branch_point.run, run.branch_point.value) if run.HasField("branch_point") else None
+                config = {item.key: json.loads(item.value_json) for item in run.config.update}
+                sessions.append((run.run_id, branch, config, rows))
             elif kind == "history":
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                              for item in record.history.item})
+    return sessions
+
+
+def wandb_history(workdir):
+    """({run id: [each logged row as a dict]} over the offline runs W&B wrote in the workdir, in order, the last
+    run's config)."""
+    runs = {}
+    for run_id, _, config, rows in wandb_sessions(workdir):
+        runs.setdefault(run_id, []).extend(rows)
     return runs, config
+
+
+def logged(rows, key="loss"):
+    """(step, value) of the rows that hold `key`, as `losses` gives them from metrics.jsonl."""
+    return [(row["_step"], row[key]) for row in rows if key in row]
 
 
 @needs_wandb
@@ -70,7 +89,8 @@ def test_an_offline_wandb_run_holds_the_logged_losses_and_a_resume_continues_it(
     assert losses(workdir) == losses(plain_run[1])  # W&B changes nothing the run computes
     runs, config = wandb_history(workdir)
     (run_id, rows), = runs.items()
-    assert json.load(open(os.path.join(workdir, "wandb.json"))) == {"id": run_id, "logged_through": 8}
+    assert json.load(open(os.path.join(workdir, "wandb.json"))) == {"id": run_id, "logged_through": 8,
+                                                                     "workdir": os.path.realpath(workdir)}
     assert config["seed"] == 0 and config["optimizer"]["learning_rate"] == 3e-3  # the run's config
     assert [(row["_step"], row["loss"]) for row in rows if "loss" in row] == [(s, pytest.approx(v, rel=1e-12))
                                                                               for s, v in losses(workdir)]
@@ -100,6 +120,89 @@ def test_an_unreachable_wandb_is_one_warning_and_the_run_trains_as_without_it(tm
     assert warnings[0].endswith("training goes on with its local logs (metrics.jsonl, tensorboard/)")
     assert losses(workdir) == losses(plain_run[1])
     assert losses(workdir, "val_loss") == losses(plain_run[1], "val_loss")
+
+
+WANDB = {"wandb.project": "andrea-tests"}
+
+
+def state(workdir):
+    with open(os.path.join(workdir, "wandb.json")) as f:
+        return json.load(f)
+
+
+def as_logged(workdir, key="loss", after=0):
+    """metrics.jsonl's (step, value) past `after`, as W&B's rows must hold them."""
+    return [(step, pytest.approx(value, rel=1e-12)) for step, value in losses(workdir, key) if step > after]
+
+
+@needs_wandb
+def test_a_resume_from_an_earlier_checkpoint_rewinds_the_wandb_run_to_it(tmp_path, monkeypatch, capfd):
+    """The fix for a divergence: the last good checkpoint taken again with a lower rate. W&B must hold the
+    steps trained again, not the old ones."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    workdir = str(tmp_path / "run")
+    train_loop.train(loop_config(tmp_path, **WANDB), workdir, devices=jax.devices()[:1])
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+    capfd.readouterr()
+    train_loop.train(loop_config(tmp_path, **WANDB, **{"optimizer.learning_rate": 1e-3}), workdir,
+                     devices=jax.devices()[:1])
+    err = capfd.readouterr().err
+    (run_id, first_branch, _, first), (again, branch, _, second) = wandb_sessions(workdir)
+    assert again == run_id and first_branch is None and branch == (run_id, 4)
+    assert logged(second) == as_logged(workdir, after=4) and [step for step, _ in logged(second)] == [6, 8]
+    assert logged(second, "val_loss") == as_logged(workdir, "val_loss", after=4)
+    assert logged(first)[2:] != logged(second)  # the lower rate's losses, which W&B had no other way to get
+    assert (f"W&B: run {run_id} is rewound to step 4, the checkpoint this run starts from: its steps 5 to 8 are "
+            f"replaced by the ones trained now") in err.splitlines()
+    assert state(workdir)["logged_through"] == 8
+
+
+@needs_wandb
+def test_a_copied_workdir_gets_a_wandb_run_of_its_own_and_a_moved_one_keeps_its_run(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    original = str(tmp_path / "run")
+    train_loop.train(loop_config(tmp_path, **WANDB), original, devices=jax.devices()[:1])
+    run_id = state(original)["id"]
+    copy = str(tmp_path / "another_setting")
+    shutil.copytree(original, copy)
+    capfd.readouterr()
+    train_loop.train(loop_config(tmp_path, steps=12, **WANDB), copy, devices=jax.devices()[:1])
+    err = capfd.readouterr().err
+    own = state(copy)["id"]
+    assert own != run_id and state(copy) == {"id": own, "logged_through": 12, "workdir": os.path.realpath(copy)}
+    (branch, rows), = [(branch, rows) for run, branch, _, rows in wandb_sessions(copy) if run == own]
+    assert branch == (run_id, 8)  # forked where the original's run and the copy's metrics.jsonl part
+    assert logged(rows) == as_logged(copy, after=8) and [step for step, _ in logged(rows)] == [10, 12]
+    assert (f"W&B: {copy} is a copy of {os.path.realpath(original)}: its records go to a W&B run of its own, "
+            f"{own}, forked from {run_id} at step 8") in err.splitlines()
+    assert state(original)["id"] == run_id
+    # Moved rather than copied (nothing holds the run where it was): the same W&B run goes on.
+    moved = str(tmp_path / "moved")
+    os.rename(original, moved)
+    train_loop.train(loop_config(tmp_path, steps=12, **WANDB), moved, devices=jax.devices()[:1])
+    assert [(run, branch) for run, branch, _, _ in wandb_sessions(moved)] == [(run_id, None), (run_id, None)]
+    assert state(moved) == {"id": run_id, "logged_through": 12, "workdir": os.path.realpath(moved)}
+
+
+@needs_wandb
+def test_steps_trained_while_wandb_was_unreachable_reach_it_on_resume(tmp_path, monkeypatch, capfd):
+    workdir = str(tmp_path / "run")
+    with socket.socket() as unused:  # bound, never listening: every request is refused
+        unused.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("WANDB_MODE", "online")
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{unused.getsockname()[1]}")
+        train_loop.train(loop_config(tmp_path, **WANDB, **{"wandb.timeout_seconds": 2}), workdir,
+                         devices=jax.devices()[:1])
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    capfd.readouterr()
+    train_loop.train(loop_config(tmp_path, steps=12, **WANDB), workdir, devices=jax.devices()[:1])
+    err = capfd.readouterr().err
+    (run_id, rows), = wandb_history(workdir)[0].items()
+    assert logged(rows) == as_logged(workdir) and [step for step, _ in logged(rows)] == [2, 4, 6, 8, 10, 12]
+    assert logged(rows, "val_loss") == as_logged(workdir, "val_loss")
+    assert (f"W&B: sending steps 2 to 8 from metrics.jsonl, which run {run_id} lacks (trained while W&B was off "
+            f"or could not be reached)") in err.splitlines()
 
 
 def test_a_trace_of_steps_3_to_5_names_the_train_step_and_changes_no_loss(tmp_path, plain_run):
