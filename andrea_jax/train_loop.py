@@ -250,7 +250,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         if encoder is not None and encoder.first_step != start_step:  # a newer checkpoint was unreadable
             encoder.restart(start_step)
         reader, make_batch = _batches(config, prepared, encoder)
-        step_trace = trace.StepTrace(workdir, config)
+        step_trace = trace.StepTrace(workdir, config, start_step)
         held.callback(step_trace.close)
         if prepared.train.encoded_beside_training and start_step < config.steps:  # the wait for the first era in
             make_batch(start_step)  # this thread, where a Ctrl-C still stops at once (one era: built already)

@@ -1,6 +1,7 @@
 """Watching a run: its records mirrored to Weights & Biases (wandb_mirror.py) and a profiler trace (trace.py)."""
 
 import glob
+import gzip
 import importlib.util
 import json
 import os
@@ -213,8 +214,40 @@ def test_a_trace_of_steps_3_to_5_names_the_train_step_and_changes_no_loss(tmp_pa
     assert len(traces) == 1
     with open(traces[0], "rb") as f:
         xplane = f.read()
-    assert b"jit_train_step" in xplane
+    assert b"jit_train_step" in xplane and train_step_runs(traces[0]) == 3
     assert glob.glob(os.path.join(os.path.dirname(traces[0]), "*.trace.json.gz"))  # Perfetto's
+
+
+def train_step_runs(xplane):
+    """How many runs of the train step the trace beside `xplane` holds: each run's device ops share a run_id."""
+    (path,) = glob.glob(os.path.join(os.path.dirname(xplane), "*.trace.json.gz"))
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return len({event["args"]["run_id"] for event in events
+                if event.get("args", {}).get("hlo_module") == "jit_train_step"})
+
+
+def test_a_trace_cut_by_a_stop_says_what_it_holds_and_the_resume_traces_the_rest(tmp_path, monkeypatch, capsys,
+                                                                                  plain_run):
+    workdir = str(tmp_path / "run")
+    directory = os.path.join(workdir, "profile", "process_0")
+    agreed = train_loop._agreed
+    monkeypatch.setattr(train_loop, "_agreed", lambda local_stop, done, config: done == 4)  # a SIGTERM in step 4
+    assert train_loop.train(loop_config(tmp_path, profile_steps="3:6"), workdir,
+                            devices=jax.devices()[:1])["stopped_at"] == 4
+    assert (f"the trace of steps 3 to 6 stopped with the run after step 4: {directory} holds steps 3 to 4; a resume "
+            f"traces the steps after its checkpoint up to 6") in capsys.readouterr().out.splitlines()
+    first = glob.glob(os.path.join(directory, "plugins", "profile", "*", "*.xplane.pb"))
+    assert len(first) == 1
+    monkeypatch.setattr(train_loop, "_agreed", agreed)
+    train_loop.train(loop_config(tmp_path, profile_steps="3:6"), workdir, devices=jax.devices()[:1])
+    assert (f"traced steps 5 to 6 into {directory}; steps 3 to 4 ran before the resume, their trace in a directory "
+            f"of its own (README, \"Watching a run\", says how to read it)") in capsys.readouterr().out.splitlines()
+    traces = glob.glob(os.path.join(directory, "plugins", "profile", "*", "*.xplane.pb"))
+    assert len(traces) == 2 and first[0] in traces
+    for path in traces:
+        assert train_step_runs(path) == 2
+    assert losses(workdir) == losses(plain_run[1]) and losses(workdir, "val_loss") == losses(plain_run[1], "val_loss")
 
 
 @pytest.mark.parametrize("span", ["5", "0:3", "4:2", "3:99", "a:b"])
