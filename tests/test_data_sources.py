@@ -1,3 +1,4 @@
+import logging
 import time
 
 import ml_collections
@@ -74,6 +75,22 @@ def test_unprepared_dataset_offline_fails_in_seconds(tmp_path):
                           network_check=lambda: False)
     assert time.perf_counter() - started < 5
     assert not TwoSplitTexts(data_dir=str(tmp_path / "tfds"), file_format="array_record").is_prepared()
+
+
+def test_asking_tfds_whether_a_dataset_is_prepared_shows_its_errors_and_not_its_warnings(caplog):
+    from absl import logging as absl_logging
+
+    class Builder:
+        def is_prepared(self):
+            absl_logging.warning("Variant folder /data/x/1.0.0 has no dataset_info.json")
+            absl_logging.error("a real failure")
+            return False
+
+    level = logging.getLogger("absl").level
+    assert sources._is_prepared(Builder()) is False
+    assert [(record.levelname, record.getMessage()) for record in caplog.records if record.name == "absl"] == \
+        [("ERROR", "a real failure")]
+    assert logging.getLogger("absl").level == level
 
 
 def test_network_probe_answers_quickly():

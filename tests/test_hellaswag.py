@@ -281,10 +281,12 @@ def test_tfds_builder_records_read_as_the_jsonl_does(tmp_path):
     assert from_tfds != examples() and sorted(from_tfds) == sorted(examples()) == hellaswag.load(LocalHellaswag.path)
 
 
-def test_unprepared_tfds_hellaswag_offline_fails_in_seconds_naming_the_local_file(tmp_path):
+def test_unprepared_tfds_hellaswag_offline_fails_in_seconds_naming_the_local_file(tmp_path, caplog):
     with pytest.raises(DataError) as error:
         hellaswag.read_tfds(str(tmp_path / "tfds"), network_check=lambda: False)
     assert "hellaswag/1.1.0 is not prepared" in str(error.value) and "--hellaswag_source=PATH" in str(error.value)
+    # The error line alone: no TFDS warning that the folder it looked in holds no dataset_info.json before it.
+    assert [record.getMessage() for record in caplog.records if record.name == "absl"] == []
     assert not os.path.exists(tmp_path / "tfds" / "hellaswag" / "1.1.0" / "dataset_info.json")
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import inspect
 import itertools
+import logging
 import os
 import re
 import socket
@@ -205,11 +206,24 @@ def missing_to_prepare(source: str | type) -> str | None:
     return None
 
 
+def _is_prepared(builder) -> bool:
+    """builder.is_prepared(), without the warning TFDS logs (through absl) for each version folder it finds
+    unprepared (`Variant folder ... has no dataset_info.json`): the answer is what matters, and an unprepared
+    dataset is prepared next, or is one error line offline. Errors it logs still show."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(max(level, logging.ERROR))
+    try:
+        return builder.is_prepared()
+    finally:
+        logger.setLevel(level)
+
+
 def ensure_prepared(builder, network_check: Callable[[], bool] = network_available,
                     instead: str = "or use data.source='stdlib' or 'text:PATH'") -> None:
     """Prepares a TFDS dataset, failing in seconds (not minutes of retries) offline; `instead` ends the
     offline message with what else the user can pass."""
-    if builder.is_prepared():
+    if _is_prepared(builder):
         return
     name = builder.info.full_name
     missing = missing_to_prepare(type(builder))
