@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 import jax
@@ -79,11 +79,13 @@ def _stop_signals() -> Iterator[list[str]]:
 
 
 def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, held: contextlib.ExitStack,
-                device: Any = None) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
+                first_step_started: Callable[[], bool], device: Any = None
+                ) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
     """Checks the workdir, prepares the data, fills in the tokenizer's vocabulary size and what
     "auto" stands for on `device` (`resolve.for_devices`; config validated). Returns (prepared data,
     config, the config the workdir's run was started with or None); the leader's lock on the workdir
-    is released with `held`."""
+    is released with `held`, and a workdir it creates is removed again by a failure before
+    `first_step_started()`."""
     saved = run_dir.load_saved_config(workdir)
     if jax.process_count() > 1:  # every process has seen the directory as it was before the leader writes to it
         multihost_utils.sync_global_devices("andrea_config_read")
@@ -103,7 +105,7 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
         created = not os.path.lexists(workdir)
         held.callback(os.close, run_dir.hold(workdir))  # one run per workdir: before anything is written to it
         if created:  # exits before the lock is released
-            held.push(partial(_remove_if_unstarted, workdir))
+            held.push(partial(_remove_if_unstarted, workdir, first_step_started))
         if saved is None:
             run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
         prepared = pipeline.prepare(config, workdir, is_leader=True)
@@ -112,7 +114,7 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
             if descriptor is not None:
                 held.callback(os.close, descriptor)
             if created:  # the eras of a new run are its own, keyed by its new id
-                held.push(partial(_remove_if_unstarted, workdir, also=prepared.train.directory))
+                held.push(partial(_remove_if_unstarted, workdir, first_step_started, also=prepared.train.directory))
         return prepared
 
     prepared = leader_first(leader, as_leader, lambda: pipeline.prepare(config, workdir, is_leader=False),
@@ -175,12 +177,14 @@ class _StartUpInterrupt:
                 "command to start again") from None
 
 
-def _remove_if_unstarted(workdir: str, failure: type | None, *_, also: str | None = None) -> None:
-    """The exit of a run that created `workdir`: after a failure, removes it (and `also`, its eras) if it
-    holds no more than the start-up writes (called while the run's lock is held, so no other run can be in
-    it)."""
+def _remove_if_unstarted(workdir: str, first_step_started: Callable[[], bool], failure: type | None, *_,
+                         also: str | None = None) -> None:
+    """The exit of a run that created `workdir`: after a failure, removes it (and `also`, its eras) if the
+    failure came before the first step (the checkpoints, metrics and logs opened for it then hold nothing; a
+    Ctrl-C while the first era is encoded lands there), or it holds no more than the start-up writes (called
+    while the run's lock is held, so no other run can be in it)."""
     with contextlib.suppress(OSError):
-        if failure is not None and set(os.listdir(workdir)) <= _START_UP_FILES:
+        if failure is not None and (not first_step_started() or set(os.listdir(workdir)) <= _START_UP_FILES):
             shutil.rmtree(also or workdir)
 
 
@@ -193,7 +197,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
     if config.hellaswag.every:  # before the data work: offline, an unprepared TFDS HellaSwag stops in seconds
         read = lambda: hellaswag.load(config.hellaswag.source, config.data.tfds_data_dir)
         hellaswag_examples = leader_first(leader, read, read, "prepare the HellaSwag examples")
-    prepared, config, saved = prepare_run(config, workdir, leader, held, device=mesh.devices.flat[0])
+    prepared, config, saved = prepare_run(config, workdir, leader, held, lambda: start_up.started,
+                                          device=mesh.devices.flat[0])
     encoder = _start_encoder(config, workdir, prepared, held, leader)  # encodes while the step compiles
     mesh = sharding.make_mesh(config, devices)  # again: a resume keeps its own micro-batches, which must split here
     hellaswag_rows = None if hellaswag_examples is None else \

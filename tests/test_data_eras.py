@@ -427,7 +427,12 @@ def test_a_workdir_copied_from_a_running_one_is_refused_in_one_line_and_runs_onc
     assert metrics.read(copy)[-1]["step"] == config.steps
 
 
-def test_a_new_streamed_run_that_stops_before_its_first_step_leaves_neither_workdir_nor_eras(tmp_path, monkeypatch):
+@pytest.mark.parametrize("interrupted_in", [
+    "fit",  # Ctrl-C while the step compiles
+    "batch",  # Ctrl-C while the first step waits for era 0, its checkpoints, metrics and TensorBoard opened
+])
+def test_a_new_streamed_run_that_stops_before_its_first_step_leaves_neither_workdir_nor_eras(tmp_path, monkeypatch,
+                                                                                            interrupted_in):
     from andrea_jax import train_loop
 
     config = era_config(tmp_path)
@@ -435,9 +440,9 @@ def test_a_new_streamed_run_that_stops_before_its_first_step_leaves_neither_work
     workdir = str(tmp_path / "run")
 
     def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt  # Ctrl-C while the step compiles
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_loop.fit, "fit", interrupted)
+    monkeypatch.setattr(train_loop.fit if interrupted_in == "fit" else eras.Reader, interrupted_in, interrupted)
     with pytest.raises(train_loop.StoppedBeforeFirstStep):
         train_loop.train(config, workdir, devices=jax.devices()[:1])
     assert not os.path.exists(workdir)
