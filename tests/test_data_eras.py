@@ -149,6 +149,45 @@ def test_keep_eras_bounds_the_eras_on_disk(tmp_path, batch_size, most_eras_a_ste
     assert max(seen) <= max(2, most_eras_a_step) + 1 and len(prepared.train.on_disk()) <= max(2, most_eras_a_step)
 
 
+@pytest.mark.parametrize("deleted", ["files", "manifest"])
+def test_an_era_deleted_before_training_reads_it_is_encoded_again(tmp_path, deleted):
+    """The encoder, held back by keep_eras, has built era 1 ahead and waits; era 1 goes (a tmp cleaner, a user
+    freeing disk): the encoder builds it again, and the steps read what they would have."""
+    config = era_config(tmp_path)
+    built_first = prepared_eras(config, str(tmp_path / "built_first"))
+    encode_all(config, built_first)
+    expected = [eras.Reader(built_first.train, config.seed, config.seq_len, 0, False).batch(step, 4)
+                for step in range(config.steps)]
+
+    config.data.cache_dir = str(tmp_path / "deleted")
+    prepared = prepared_eras(config, str(tmp_path / "run"))
+    cache, lines, ended = prepared.train, [], threading.Event()
+    encoder = threading.Thread(target=encode_all, args=(config, prepared), daemon=True,
+                               kwargs=dict(keep_eras=2, alive=lambda: not ended.is_set(), log=lines.append))
+    reader = eras.Reader(cache, config.seed, config.seq_len, keep_eras=2, delete_passed=True)
+    encoder.start()
+    batches = [reader.batch(0, 4)]  # era 0 alone; the encoder builds era 1 and waits for training to move on
+    deadline = time.monotonic() + 60
+    while not cache.built(1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cache.built(1) and not cache.built(2)
+    if deleted == "files":
+        cache.delete(1)
+    else:
+        os.remove(cache.paths(1)[1])
+    reading = threading.Thread(target=lambda: batches.extend(reader.batch(step, 4) for step in range(1, config.steps)),
+                               daemon=True)
+    reading.start()
+    reading.join(timeout=60)  # step 1 reads era 1: a regression waits for ever
+    ended.set()
+    assert not reading.is_alive(), "a step waited for ever for the deleted era"
+    assert [line.split(":")[0] for line in lines][:4] == [
+        "era 0 encoded", "era 1 encoded", "era 1 was deleted before training read it; it is encoded again",
+        "era 1 encoded"]
+    for got, want in zip(batches, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_stream_shorter_than_its_budget_ends_the_epoch_sooner(tmp_path):
     config = era_config(tmp_path, DOCS[:300], stream_tokens=50_000)  # more than the 280 documents hold
     config.steps, config.data.era_windows = 300, 60

@@ -212,7 +212,16 @@ def encode(cache: EraCache, documents: StreamedDocuments, tokenizer: Tokenizer, 
             if not alive():
                 return
             time.sleep(_POLL_S)
-            position, needed = map(max, (position, needed), cache.position() or (0, 0))
+            said = cache.position() or (0, 0)
+            position, needed = map(max, (position, needed), said)
+            # An era built for steps still to come and deleted since (a tmp cleaner, a user freeing disk) would
+            # have them wait for ever: it is built again. One gone because the steps moved past it meanwhile
+            # (they say so first, then delete it) is not.
+            gone = [ahead for ahead in range(position, sequence) if not cache.built(ahead % layout.num_eras)]
+            if gone and (cache.position() or (0, 0)) == said:
+                log(f"era {gone[0] % layout.num_eras} was deleted before training read it; it is encoded again")
+                sequence = gone[0]
+                break
         if keep_eras:  # an earlier run's eras outside the steps' window go before another is built
             drop_outside(cache, layout, position, max(keep_eras, needed - position + 1))
         era = sequence % layout.num_eras
