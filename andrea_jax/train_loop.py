@@ -8,7 +8,6 @@ log, evaluate and checkpoint. The host only waits for the device to log.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import shutil
 import signal
@@ -49,20 +48,45 @@ class TrainingStopped(UserError):
     """The run stopped on purpose (non-finite loss); the message says what to do."""
 
 
+class _StopRequests(list):
+    """The names of the stop signals received, in order; `stopping_promptly()` marks where the loop needs nothing
+    more to stop."""
+
+    stopping_promptly: Callable[[], contextlib.AbstractContextManager]
+
+
 @contextlib.contextmanager
-def _stop_signals() -> Iterator[list[str]]:
+def _stop_signals() -> Iterator[_StopRequests]:
     """Remembers SIGTERM/SIGINT (their names, in the list it yields) so the loop can finish the step and save first.
 
-    A signal the process was started ignoring (Ctrl-C in a job a script put in the background) stays ignored,
-    as it is before the first step, where Python leaves it so."""
-    received: list[str] = []
+    A second Ctrl-C stops at once, except within `stopping_promptly()` (the loop waits for a batch, which a stop
+    request ends at once, or saves the checkpoint the stop asked for): it is one more request there, so that it
+    cannot lose that checkpoint. A signal the process was started ignoring (Ctrl-C in a job a script put in the
+    background) stays ignored, as it is before the first step, where Python leaves it so."""
+    received = _StopRequests()
     previous = {}
+    prompt = [False]
+    at_once = lambda: signal.signal(signal.SIGINT, previous.get(signal.SIGINT, signal.default_int_handler))
 
     def remember(signum, frame):
         # Only a note: printing here could re-enter a write the progress bar is in the middle of.
         received.append(signal.Signals(signum).name)
-        # A second Ctrl-C stops at once.
-        signal.signal(signal.SIGINT, previous.get(signal.SIGINT, signal.default_int_handler))
+        if not prompt[0]:
+            at_once()
+
+    @contextlib.contextmanager
+    def stopping_promptly():
+        prompt[0] = True
+        try:
+            yield
+        except BaseException:  # the loop stops (a stop request ended the wait): a Ctrl-C until its save is noted
+            prompt[0] = False
+            raise
+        prompt[0] = False
+        if received and signal.SIGINT in previous:  # as `remember` would have
+            at_once()
+
+    received.stopping_promptly = stopping_promptly
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         if signal.getsignal(sig) == signal.SIG_IGN:
@@ -133,12 +157,23 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
     A workdir the run created and stopped in before its first step is removed again: the disk is left
     as the run found it.
     """
-    with _StartUpInterrupt() as start_up, contextlib.ExitStack() as held:
-        return _train(config, workdir, devices, held, start_up)
+    try:
+        with _StartUpInterrupt() as start_up, contextlib.ExitStack() as held:
+            return _train(config, workdir, devices, held, start_up)
+    except KeyboardInterrupt:  # from the first step on (mostly a second Ctrl-C); a save under way was finished on exit
+        newest = max(_saved_steps(workdir), default=None)
+        raise StoppedAtOnce(
+            "stopped at once by Ctrl-C; " + ("no checkpoint was saved yet" if newest is None else
+                                                      f"the newest checkpoint is step {newest}") +
+            "; run the same command to resume") from None
 
 
 class StoppedBeforeFirstStep(UserError):
     """Ctrl-C before the first step: the run stopped at once, its start-up undone."""
+
+
+class StoppedAtOnce(UserError):
+    """Ctrl-C in training that stops at once (a second one): the step it came in is not saved."""
 
 
 class _StartUpInterrupt:
@@ -268,13 +303,17 @@ def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pi
                    held: contextlib.ExitStack, leader: bool) -> Encoder | None:
     if not (leader and prepared.train.encoded_beside_training):
         return None
-    saved_steps = [int(name) for name in os.listdir(checkpoint.directory_of(workdir)) if name.isdigit()] \
-        if os.path.isdir(checkpoint.directory_of(workdir)) else []
     with contextlib.suppress(FileNotFoundError):  # where an earlier run's steps were: the new one says anew
         os.remove(prepared.train.position_path)
-    encoder = Encoder(config, workdir, max(saved_steps, default=0))
+    encoder = Encoder(config, workdir, max(_saved_steps(workdir), default=0))
     held.callback(encoder.stop)
     return encoder
+
+
+def _saved_steps(workdir: str) -> list[int]:
+    """The steps of the workdir's checkpoints, read from the directory (no checkpoint manager needed)."""
+    directory = checkpoint.directory_of(workdir)
+    return [int(name) for name in os.listdir(directory) if name.isdigit()] if os.path.isdir(directory) else []
 
 
 def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, encoder: Encoder | None):
@@ -384,33 +423,47 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
                                 "data_step": done, "log_interval_losses": [float(loss) for loss in interval_losses],
                                 "train_seconds": train_seconds()})
 
+    def announce() -> None:
+        progress.write(f"{received[0]} received: saving a checkpoint, then stopping "
+                       f"(with several processes, at the next log step)", file=sys.stderr)
+
     stopping = announced = False
+    done = saved = start_step  # the last finished step, the last saved
     prefetched = batcher.prefetch(make_batch, start_step, batch_sharding, end_step=config.steps)
     with _stop_signals() as received, contextlib.closing(prefetched) as batches:
-        for step, batch in itertools.islice(batches, config.steps - start_step):
-            step_trace.before(step + 1)
-            state, step_metrics = steps.train(state, batch)
-            step_trace.after(step + 1, state)
-            pending.append((step, step_metrics))
-            done, interval[1] = step + 1, interval[1] + 1
-            progress.update(1)
-            for every, action in actions:
-                if done % every == 0 or done == config.steps:
-                    record = action(done, state)
-                    if record:  # an action may have nothing to say (first_at_target, mostly)
-                        writer.write(done, record)
-                        last_record.update(record)
-                    interval[:] = time.perf_counter(), 0
-            if received and not announced:
-                announced = True
-                progress.write(f"{received[0]} received: saving a checkpoint, then stopping "
-                               f"(with several processes, at the next log step)", file=sys.stderr)
-            stopping = _agreed(bool(received), done, config)
-            if done % config.checkpoint_every == 0 or done == config.steps or stopping:
-                save(done, state)
-                interval[:] = time.perf_counter(), 0
-            if stopping:
-                break
+        if jax.process_count() == 1:  # several processes stop together, at a log step (`_agreed`)
+            reader.stop_waiting = lambda: bool(received)
+        try:
+            for step, batch in _until_stopped(batches, received):
+                step_trace.before(step + 1)
+                state, step_metrics = steps.train(state, batch)
+                step_trace.after(step + 1, state)
+                pending.append((step, step_metrics))
+                done, interval[1] = step + 1, interval[1] + 1
+                progress.update(1)
+                for every, action in actions:
+                    if done % every == 0 or done == config.steps:
+                        record = action(done, state)
+                        if record:  # an action may have nothing to say (first_at_target, mostly)
+                            writer.write(done, record)
+                            last_record.update(record)
+                        interval[:] = time.perf_counter(), 0
+                if received and not announced:
+                    announced = True
+                    announce()
+                stopping = _agreed(bool(received), done, config)
+                if done % config.checkpoint_every == 0 or done == config.steps or stopping:
+                    with received.stopping_promptly() if stopping else contextlib.nullcontext():
+                        save(done, state)
+                    saved, interval[:] = done, (time.perf_counter(), 0)
+                if stopping:
+                    break
+        except eras.WaitStopped:  # a stop request ended the wait for the next step's era: the last step is saved now
+            stopping = True
+            announce()
+            if done != saved:
+                with received.stopping_promptly():
+                    save(done, state)
     progress.close()
     ckpt.wait()
     if leader and stopping:
@@ -420,6 +473,18 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
         print(f"finished step {config.steps}; the last checkpoint is "
               f"{os.path.join(ckpt.directory, str(ckpt.steps()[-1]))}", flush=True)
     return {**last_record, "stopped_at": done} if stopping else last_record
+
+
+def _until_stopped(batches: Iterator[tuple[int, jax.Array]], received: _StopRequests
+                   ) -> Iterator[tuple[int, jax.Array]]:
+    """The batches, each waited for `stopping_promptly` (a stop request ends the wait for an era: `WaitStopped`)."""
+    while True:
+        with received.stopping_promptly():
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+        yield batch
 
 
 def _compare_rates(reader: eras.Reader, tokens_per_second: float) -> None:

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -210,8 +211,9 @@ def test_a_stream_shorter_than_its_budget_ends_the_epoch_sooner(tmp_path):
 # ---- train.py with the encoder process, killed and resumed ----
 
 SLOW_READS = '''
-import importlib.abc, importlib.util, os, sys, time
+import glob, importlib.abc, importlib.util, os, sys, time
 DELAY = float(os.environ["ANDREA_TEST_READ_DELAY_S"])
+STALL_AFTER = os.environ.get("ANDREA_TEST_STALL_AFTER")  # a pattern: once a file matches it, the encoder stalls
 
 
 class SlowReads(importlib.abc.MetaPathFinder):  # every process's stream reads a document per DELAY seconds
@@ -227,6 +229,8 @@ class SlowReads(importlib.abc.MetaPathFinder):  # every process's stream reads a
             read = module.StreamedDocuments.read
 
             def slow(self, start, stop):
+                if STALL_AFTER and sys.argv[0].endswith("encoder.py") and glob.glob(STALL_AFTER):
+                    time.sleep(600)
                 texts = read(self, start, min(stop, start + 2))
                 time.sleep(DELAY * len(texts))
                 return texts
@@ -241,10 +245,8 @@ sys.meta_path.insert(0, SlowReads())
 '''
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """A config file for train.py over a stream of 16 eras, and the metrics of the run whose eras were built first."""
-    tmp_path = tmp_path_factory.mktemp("eras")
+def stream_run(tmp_path):
+    """A config file for train.py over a stream of 16 eras, and the environment it runs in (SLOW_READS)."""
     config = era_config(tmp_path)
     config.model.update(dict(n_layer=1, d_model=32, n_head=2, mlp_dim=64, max_len=32))
     config.update(dict(steps=48, batch_size=4, seq_len=32, log_every=2, eval_every=24, eval_batches=1,
@@ -259,7 +261,15 @@ def runs(tmp_path_factory):
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONPATH=str(tmp_path / "slow"),
                ANDREA_TEST_READ_DELAY_S="0.01")
-    paths = dict(root=tmp_path, config=config, config_file=config_file, env=env)
+    return dict(root=tmp_path, config=config, config_file=config_file, env=env)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """`stream_run`, and the metrics of the run whose eras were built first."""
+    tmp_path = tmp_path_factory.mktemp("eras")
+    paths = stream_run(tmp_path)
+    config = paths["config"]
     built_first = str(tmp_path / "built_first")  # its eras built before train.py starts, with no waiting
     prepared = prepared_eras(config, built_first)
     encode_all(config, prepared)
@@ -270,11 +280,11 @@ def runs(tmp_path_factory):
     return paths
 
 
-def train(runs, workdir, *flags, delay="0.01"):
+def train(runs, workdir, *flags, delay="0.01", **env):
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--config", str(runs["config_file"]),
                              "--workdir", workdir, "--config.data.keep_eras=3", *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(runs["env"], ANDREA_TEST_READ_DELAY_S=delay),
-                            cwd=ROOT)
+                            stderr=subprocess.STDOUT, text=True,
+                            env=dict(runs["env"], ANDREA_TEST_READ_DELAY_S=delay, **env), cwd=ROOT)
 
 
 def test_a_run_trains_while_its_eras_encode_and_logs_what_a_prebuilt_one_does(runs):
@@ -291,6 +301,40 @@ def test_a_run_trains_while_its_eras_encode_and_logs_what_a_prebuilt_one_does(ru
     assert eras_at_first_log[0] < 16, output[-3000:]
     assert "waits for era" in output and "data_wait_seconds" in metrics.read(workdir)[0]
     assert logged(workdir) == runs["expected"]
+
+
+@pytest.mark.parametrize("signals", [["SIGTERM"], ["SIGINT", "SIGINT"]])
+def test_a_stop_while_a_step_waits_for_its_era_saves_the_last_finished_step_at_once(tmp_path, signals):
+    """The encoder stalls once era 0 is built, so step 4 waits for era 1 for minutes: a SIGTERM (a preemption's grace
+    is often 10 s) or Ctrl-C, even twice, saves step 3 and stops in seconds."""
+    run = stream_run(tmp_path)
+    workdir, cache = str(tmp_path / "run"), tmp_path / "cache"
+    process = train(run, workdir, f"--config.data.cache_dir={cache}",
+                    ANDREA_TEST_STALL_AFTER=str(cache / "tokens" / "*" / "train.era00000.json"))
+    output = ""
+    try:
+        for line in process.stdout:
+            output += line
+            if "step 4 waits for era 1 of the training split (being encoded)" in line:
+                break
+        time.sleep(3)  # steps 1 to 3 are done (each takes milliseconds), and step 4 waits
+        stopped_at = time.monotonic()
+        for name in signals:
+            process.send_signal(getattr(signal, name))
+            time.sleep(0.05)
+        output += process.communicate(timeout=120)[0]
+        seconds_to_stop = time.monotonic() - stopped_at
+    finally:
+        process.kill()
+    assert "Traceback" not in output and f"{signals[0]} received: saving a checkpoint" in output, output[-3000:]
+    stopped = f"stopped at step 3 on {signals[0]}; checkpoint saved in"
+    # A second Ctrl-C is noted while the step waits or its checkpoint is handed to Orbax; after that, it stops the
+    # run at once, in one line, the checkpoint written.
+    at_once = "error: stopped at once by Ctrl-C; the newest checkpoint is step 3; run the same command"
+    assert (process.returncode == 0 and stopped in output) or (
+        len(signals) == 2 and process.returncode == 2 and at_once in output), output[-3000:]
+    assert seconds_to_stop < 5, output[-3000:]
+    assert checkpoint_steps(workdir) == [3]
 
 
 def kill_when(process, condition, what):

@@ -26,6 +26,7 @@ import re
 import subprocess
 import time
 import uuid
+from typing import Callable
 
 import ml_collections
 import numpy as np
@@ -244,6 +245,11 @@ def encode(cache: EraCache, documents: StreamedDocuments, tokenizer: Tokenizer, 
 
 # ---- reading ----
 
+class WaitStopped(Exception):
+    """A stop request (`Reader.stop_waiting`) ended a step's wait for its era: the run stops at the last finished
+    step."""
+
+
 class Reader:
     """The eras as the training loop reads them, in `data.order` ("random": windows drawn with replacement from
     a split of one era): waits for an era not built yet (saying which, and for how long). With `keep_eras`,
@@ -261,6 +267,8 @@ class Reader:
         self._final = not cache.encoded_beside_training  # the stream's end is known: the layout no longer changes
         self._open: dict[int, np.ndarray] = {}
         self._position: tuple[int, int] | None = None
+        # Whether to give up a wait for an era (`WaitStopped`): a SIGTERM's grace is seconds, an era's may be more.
+        self.stop_waiting: Callable[[], bool] = lambda: False
 
     def layout(self) -> order.Layout:
         if not self._final and "final_tokens" in self.cache.record():  # the stream ended: its length is known
@@ -291,6 +299,8 @@ class Reader:
             if ended:
                 raise DataError(f"the era encoder stopped (exit code {self.encoder.returncode}, its message is above) "
                                 f"before era {era}; fix what it says and run the same command to resume")
+            if self.stop_waiting():
+                raise WaitStopped(f"step {step + 1} stopped waiting for era {era}")
             if not said:
                 self.log(f"step {step + 1} waits for era {era} of the training split (being encoded)")
                 said = True
