@@ -78,6 +78,7 @@ def test_config_files_are_the_expected_models():
     (dict(optimizer=dict(min_learning_rate_ratio=float("nan"))), "optimizer.min_learning_rate_ratio=nan must be"),
     (dict(optimizer=dict(muon_momentum=1.0)), "optimizer.muon_momentum=1.0 must be a finite number in [0, 1)"),
     (dict(optimizer=dict(muon_ns_steps=0)), "optimizer.muon_ns_steps=0 must be >= 1"),
+    (dict(optimizer=dict(muon_ns_dtype="float16")), "optimizer.muon_ns_dtype='float16' is not one of 'auto', 'float32', 'bfloat16'"),
 ])
 def test_impossible_configs_name_the_fix(change, message):
     config = base_config()
