@@ -137,8 +137,9 @@ def _as_matrices(update: jax.Array, dims: optax.contrib.MuonDimensionNumbers) ->
 
 
 def newton_schulz(x: jax.Array, steps: int, coefficients: jax.Array, dtype) -> jax.Array:
-    """Newton–Schulz's quintic iteration towards the nearest semi-orthogonal matrix of each of x's [n, rows ≤ cols]
-    matrices, in `dtype`, after a Frobenius normalisation in x's own: x ← a·x + (b·G + c·G·G)·x with G = x·xᵀ."""
+    """Newton–Schulz's quintic iteration towards the nearest semi-orthogonal matrix of each of x's
+    [n, rows ≤ cols] matrices, in `dtype`, after a Frobenius normalisation in x's own:
+    x ← a·x + (b·G + c·G·G)·x with G = x·xᵀ."""
     x = (x / (jnp.linalg.norm(x, axis=(1, 2), keepdims=True) + 1e-8)).astype(dtype)
     a, b, c = coefficients.astype(dtype)
     for _ in range(steps):

@@ -42,7 +42,8 @@ def row(name: str) -> str:
     return (f"| {name} | {len(target.devices)} ({target.num_hosts} host{'s' if target.num_hosts > 1 else ''}) | "
             f"{c.model.dtype} | {c.model.attention} | {c.microbatches} | {'on' if c.model.remat else 'off'} | "
             f"{steps.peak / GIB:.2f} of {target.memory_limit / GIB:.2f} GiB | "
-            f"{sum(cost.hbm_bytes.values()) / 1e9:.1f} GB | {roofline} | {estimate} | {time.perf_counter() - start:.0f} s |")
+            f"{sum(cost.hbm_bytes.values()) / 1e9:.1f} GB | {roofline} | {estimate} | "
+            f"{time.perf_counter() - start:.0f} s |")
 
 
 def main() -> None:
