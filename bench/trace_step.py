@@ -6,8 +6,9 @@ Each optimizer's step (bench/harness.py's JaxStep, jitted as the training loop j
 compiled and warmed, then `--steps` steps run under `jax.profiler`. The trace's
 `<host>.trace.json.gz` is read back: the device's kernels are summed by kind (matrix products,
 attention, other fusions, copies, collectives) and by name, and set against the steps' wall time,
-so that the time the device sat idle (launches, the host) shows too. The traces stay under
-`--out` for TensorBoard's profile plugin or Perfetto.
+so that the time the device sat idle (launches, the host) shows too, beside the compile check's estimate of
+the same program by kind (`andrea_jax/compile/kernel_time.py`) where gpu_targets/ describes the GPU. The
+traces stay under `--out` for TensorBoard's profile plugin or Perfetto.
 """
 
 from __future__ import annotations
@@ -66,8 +67,38 @@ def device_kernel_seconds(trace_path: str) -> dict[str, float]:
     return seconds
 
 
-def trace_contender(config, steps: int, out: str) -> tuple[float, dict[str, float]]:
-    """(wall seconds of `steps` traced steps, kernel seconds by name)."""
+# The estimate's kinds (`kernel_time.KINDS` and its launches) as this trace names them.
+ESTIMATE_KINDS = {"matrix products": "matrix product", "attention": "attention", "other fusions": "other fusion",
+                  "copies": "copy", "launches": "the device idle"}
+
+
+def beside_the_estimate(traced_ms: dict[str, float], idle_ms: float, estimated_ms: dict[str, float]) -> list[list]:
+    """Rows of kind, traced ms, estimated ms and their ratio; the idle time set against the estimate's launches."""
+    traced = dict(traced_ms, **{"the device idle": idle_ms})
+    rows = []
+    for kind, name in ESTIMATE_KINDS.items():
+        measured, estimated = traced.get(name, 0.0), estimated_ms.get(kind, 0.0)
+        ratio = f"{estimated / measured:.2f}" if measured else "—"
+        rows.append([name, f"{measured:.2f}", f"{estimated:.2f}", ratio])
+    return rows
+
+
+def estimate_of(jax_step) -> dict[str, float] | None:
+    """The compile check's estimate by kind (ms) of the program `jax_step` runs, or None where gpu_targets/
+    has no rates for its device."""
+    from andrea_jax.compile import kernel_time, targets
+    device = jax.devices()[0]
+    name = targets.gpu_for(device.device_kind)
+    if name is None:
+        print(f"no rates for {device.device_kind} in andrea_jax/compile/gpu_targets/: no estimate beside the trace")
+        return None
+    hlo = jax_step.step_fn.lower(jax_step.state, jax_step.batches[0]).compile().as_text()
+    estimate = kernel_time.estimate(hlo, targets.gpu_kernel_rates(name))
+    return {kind: 1e3 * seconds for kind, seconds in estimate.seconds_by_kind.items()}
+
+
+def trace_contender(config, steps: int, out: str) -> tuple[float, dict[str, float], dict[str, float] | None]:
+    """(wall seconds of `steps` traced steps, kernel seconds by name, the estimate by kind in ms)."""
     jax_step = harness.JaxStep(config)
     jax_step.compile()
     jax_step.run(3)  # warm: autotuning and the allocator settle outside the trace
@@ -76,11 +107,12 @@ def trace_contender(config, steps: int, out: str) -> tuple[float, dict[str, floa
     jax_step.run(steps)  # blocks on the last step
     wall = time.perf_counter() - started
     jax.profiler.stop_trace()
+    estimated = estimate_of(jax_step)
     jax_step.close()
     traces = sorted(glob.glob(os.path.join(out, "plugins", "profile", "*", "*.trace.json.gz")))
     if not traces:
         raise SystemExit(f"jax.profiler wrote no *.trace.json.gz under {out}")
-    return wall, device_kernel_seconds(traces[-1])
+    return wall, device_kernel_seconds(traces[-1]), estimated
 
 
 def main() -> None:
@@ -99,7 +131,7 @@ def main() -> None:
     for optimizer_name in args.optimizers.split(","):
         config = harness.make_case(args.case)
         config.optimizer.name = optimizer_name
-        wall, kernels = trace_contender(config, args.steps, os.path.join(args.out, optimizer_name))
+        wall, kernels, estimated = trace_contender(config, args.steps, os.path.join(args.out, optimizer_name))
         step_ms = 1e3 * wall / args.steps
         busy_ms = 1e3 * sum(kernels.values()) / args.steps
         by_kind = collections.Counter()
@@ -109,6 +141,12 @@ def main() -> None:
               f"{busy_ms:.1f} ms a step, the device idle {max(0.0, step_ms - busy_ms):.1f} ms")
         rows = [[kind, f"{1e3 * s / args.steps:.2f}", f"{100 * s / wall:.0f}%"] for kind, s in by_kind.most_common()]
         print(harness.format_table(["kind", "ms a step", "of the wall time"], rows))
+        if estimated:
+            traced_ms = {kind: 1e3 * s / args.steps for kind, s in by_kind.items()}
+            rows = beside_the_estimate(traced_ms, max(0.0, step_ms - busy_ms), estimated)
+            rows.append(["the step", f"{step_ms:.2f}", f"{sum(estimated.values()):.2f}",
+                         f"{sum(estimated.values()) / step_ms:.2f}"])
+            print(harness.format_table(["kind", "traced ms", "estimated ms", "estimated / traced"], rows))
         rows = [[name[:90], kind_of(name), f"{1e3 * s / args.steps:.2f}"]
                 for name, s in kernels.most_common(args.top)]
         print(harness.format_table(["kernel", "kind", "ms a step"], rows))

@@ -56,3 +56,19 @@ def test_a_device_without_streams_counts_its_xla_ops_and_a_trace_without_a_devic
 ])
 def test_kernels_are_sorted_into_kinds_by_their_names(kernel, kind):
     assert trace_step.kind_of(kernel) == kind
+
+
+def test_the_trace_is_set_beside_the_estimate_kind_by_kind_the_idle_time_against_the_launches():
+    rows = trace_step.beside_the_estimate({"matrix product": 28.0, "attention": 8.6, "other fusion": 16.1,
+                                           "copy": 0.1}, 2.4,
+                                          {"matrix products": 28.1, "attention": 8.6, "other fusions": 16.2,
+                                           "copies": 0.0, "launches": 2.44})
+    assert rows == [["matrix product", "28.00", "28.10", "1.00"], ["attention", "8.60", "8.60", "1.00"],
+                    ["other fusion", "16.10", "16.20", "1.01"], ["copy", "0.10", "0.00", "0.00"],
+                    ["the device idle", "2.40", "2.44", "1.02"]]
+
+
+def test_a_gpu_is_found_among_the_targets_by_the_kind_jax_names_it():
+    from andrea_jax.compile import targets
+    assert targets.gpu_for("NVIDIA H200") == "h200" and targets.gpu_for("NVIDIA H100 80GB HBM3") == "h100"
+    assert targets.gpu_for("cpu") is None

@@ -112,7 +112,8 @@ def test_every_gpu_target_has_rates_and_the_h200_s_are_its_own_measurements():
     for name in targets.gpu_names():
         rates = targets.gpu_rates(name, 1e12, 100)
         assert rates is not None and rates.products["16-bit"] > 0 and rates.launch_seconds > 0
-    h200 = targets.gpu_rates("h200", 4.8e12, 132)
+    h200 = targets.gpu_kernel_rates("h200")
+    assert h200.cores == 132
     assert h200.calibrated and h200.products["16-bit"] == 790e12 and h200.memory_bytes_per_second == 2.6e12
     a100 = targets.gpu_rates("a100_40gb", 1.555e12, 108)
     assert not a100.calibrated and a100.products["16-bit"] == pytest.approx(312e12 * 790 / 989)

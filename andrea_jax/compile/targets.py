@@ -146,6 +146,15 @@ def gpu_names() -> list[str]:
     return sorted(path.stem for path in GPU_TARGETS_DIR.glob("*.txtpb"))
 
 
+def gpu_for(device_kind: str) -> str | None:
+    """The gpu_targets/ name of a GPU as JAX names its kind ("NVIDIA H200" -> "h200"), or None."""
+    for name in gpu_names():
+        described = re.search(r'device_description_str:\s*"([^"]*)"', (GPU_TARGETS_DIR / f"{name}.txtpb").read_text())
+        if described and described.group(1).lower() == device_kind.lower():
+            return name
+    return None
+
+
 def gpu_memory_fraction() -> float:
     """The share of a GPU's memory JAX's allocator takes: 0.75 unless XLA_PYTHON_CLIENT_MEM_FRACTION says."""
     return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
@@ -162,12 +171,17 @@ def gpu(name: str) -> Target:
     except Exception as error:  # no CUDA plugin: the runtime says "Unknown backend" or fails to load it
         raise ConfigError(f"--topology {name} needs JAX's CUDA compiler plugin ({str(error).splitlines()[0]}); "
                           f"install it with `pip install -r requirements-gpu-compile.txt`") from error
-    bandwidth = float(re.search(r"memory_bandwidth:\s*(\d+)", text).group(1))
-    cores = int(re.search(r"core_count:\s*(\d+)", text).group(1))
     fraction = gpu_memory_fraction()
     return Target(name, list(topology.devices), int(memory * fraction),
-                  f"{fraction:.0%} of {memory / GIB:.1f} GiB, JAX's GPU memory pool", 1, bandwidth,
-                  kernel_rates=gpu_rates(name, bandwidth, cores))
+                  f"{fraction:.0%} of {memory / GIB:.1f} GiB, JAX's GPU memory pool", 1,
+                  float(re.search(r"memory_bandwidth:\s*(\d+)", text).group(1)), kernel_rates=gpu_kernel_rates(name))
+
+
+def gpu_kernel_rates(name: str) -> KernelRates | None:
+    """`gpu_rates` of the GPU gpu_targets/NAME.txtpb describes."""
+    text = (GPU_TARGETS_DIR / f"{name}.txtpb").read_text()
+    return gpu_rates(name, float(re.search(r"memory_bandwidth:\s*(\d+)", text).group(1)),
+                     int(re.search(r"core_count:\s*(\d+)", text).group(1)))
 
 
 def named(name: str) -> Target:
