@@ -132,7 +132,8 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
             held.push(partial(_remove_if_unstarted, workdir, first_step_started))
         if saved is None:
             run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
-        prepared = pipeline.prepare(config, workdir, is_leader=True)
+        # The step it resumes at decides whether a larger stream budget can go on where the run's ended.
+        prepared = pipeline.prepare(config, workdir, is_leader=True, first_step=max(_saved_steps(workdir), default=0))
         if prepared.train.encoded_beside_training:  # eras of the run's own (a split of one era is shared)
             descriptor = hold_eras(prepared.train, workdir)  # here, so that every process stops on a refusal
             if descriptor is not None:

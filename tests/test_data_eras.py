@@ -33,9 +33,9 @@ def era_config(tmp_path, documents=DOCS, **data):
                        era_windows=6, **data)
 
 
-def prepared_eras(config, workdir):
+def prepared_eras(config, workdir, first_step=0):
     save_config(workdir, config)
-    return pipeline.prepare(config, workdir)
+    return pipeline.prepare(config, workdir, first_step=first_step)
 
 
 def encode_all(config, prepared, first_step=0, keep_eras=0, alive=lambda: True, log=lambda line: None,
@@ -430,14 +430,19 @@ def test_a_resume_that_would_plan_other_eras_says_so_once(tmp_path, capsys):
     """The leader's preparation says it; the encoder process, which opens the same cache, does not again."""
     config, workdir = era_config(tmp_path), str(tmp_path / "run")
     prepared_eras(config, workdir)
-    assert "were planned for" not in capsys.readouterr().out
-    config.steps = 12  # a resume with more steps: the run keeps the eras it planned
-    prepared = prepared_eras(config, workdir)
+    assert "budget" not in capsys.readouterr().out
+    config.steps = 12  # a resume with more steps (data.stream_tokens=0): eras for their 8 windows (one era and 2) follow the 40
+    prepared = prepared_eras(config, workdir, first_step=10)
     out = capsys.readouterr().out
-    assert out.count("were planned for") == 1 and f"planned for {prepared.train.planned_tokens:,} tokens" in out
+    assert out.count("\n") == 1 and "stream budget rises from 1,287 to 1,545 tokens" in out, out
+    assert prepared.train.layout(config.seed, config.seq_len).windows_in_epoch(0) == 48
     splits = pipeline.open_splits(config)
     pipeline.train_cache(config, workdir, splits, prepared.tokenizer, preparing=False)  # as the encoder process
-    assert "were planned for" not in capsys.readouterr().out
+    prepared_eras(config, workdir, first_step=10)  # the same command again: nothing changes
+    assert capsys.readouterr().out == ""
+    config.steps = 8
+    prepared = prepared_eras(config, workdir, first_step=8)
+    assert prepared.train.planned_tokens == 1545 and capsys.readouterr().out == ""  # fewer steps read less
 
 
 def test_eras_that_cannot_be_deleted_stop_the_run_in_one_line(tmp_path, monkeypatch):
@@ -531,3 +536,53 @@ def test_a_new_streamed_run_that_stops_before_its_first_step_leaves_neither_work
     assert not os.path.exists(workdir)
     assert glob.glob(str(tmp_path / "cache" / "tokens" / "*" / "val.bin"))  # the shared validation cache stays
     assert not glob.glob(str(tmp_path / "cache" / "tokens" / "*" / "train*"))  # the run's own eras go
+
+
+def windows_in_the_stream(cache, config, steps):
+    """(the first token in the training stream of each window steps 0..steps-1 read, their rows)."""
+    layout, reader = cache.layout(config.seed, config.seq_len), eras.Reader(cache, config.seed, config.seq_len, 0, False)
+    _, era_of, offset_of = layout.locate(np.arange(steps * config.batch_size))
+    starts = np.array([layout.era_start(era) for era in era_of.tolist()]) + offset_of
+    return starts, np.concatenate([reader.batch(step, config.batch_size) for step in range(steps)])
+
+
+def test_a_resume_that_raises_stream_tokens_goes_on_encoding_the_stream_where_it_stopped(tmp_path, capsys):
+    budget = 6 * 193 + 149  # 6 eras of 193 tokens and a last of 149 (4 windows and 20 tokens no window reaches)
+    config = era_config(tmp_path, stream_tokens=budget)
+    workdir = str(tmp_path / "run")
+    prepared = prepared_eras(config, workdir)
+    encode_all(config, prepared)
+    before, rows_before = windows_in_the_stream(prepared.train, config, 10)
+
+    config.steps, config.data.stream_tokens = 20, budget + 6 * 193 + 129 + 7  # 40 windows more, and 7 tokens
+    prepared = prepared_eras(config, workdir, first_step=10)
+    assert capsys.readouterr().out.count("stream budget rises from 1,307 to 2,601 tokens") == 1
+    encode_all(config, prepared, first_step=10)
+    cache = prepared.train
+    layout = cache.layout(config.seed, config.seq_len)
+    assert [layout.era_length(era) for era in range(layout.num_eras)] == [193] * 6 + [149] + [193] * 6 + [136]
+    # The eras, end to end, are the stream's first 2,601 training tokens: it went on where the budget ended.
+    stream = byte_tokens(DOCS[20:])
+    assert np.concatenate([np.array(cache.verified(era)) for era in range(layout.num_eras)]).tolist() == \
+        stream[:2601]
+    starts, rows = windows_in_the_stream(cache, config, 20)
+    # The steps trained read what they read; the new ones read windows none read before, and no token twice
+    # (neighbours share only their edge token).
+    np.testing.assert_array_equal(starts[:40], before)
+    np.testing.assert_array_equal(rows[:40], rows_before)
+    assert np.all(np.diff(np.sort(starts)) >= 32) and starts[40:].min() >= budget
+    np.testing.assert_array_equal(rows, np.array(stream)[starts[:, None] + np.arange(33)])
+
+
+def test_a_larger_budget_after_the_steps_began_a_second_epoch_keeps_the_old_one_and_says_so(tmp_path, capsys):
+    config = era_config(tmp_path)  # 40 windows: steps 0..9
+    workdir = str(tmp_path / "run")
+    prepared_eras(config, workdir)
+    capsys.readouterr()
+    config.steps, config.data.stream_tokens = 30, 10_000
+    prepared = prepared_eras(config, workdir, first_step=12)  # steps 10 and 11 read epoch 1: keep what they read
+    assert capsys.readouterr().out == (
+        "the run's eras were planned for 1,287 tokens of the stream and its steps read them again from step 11: it "
+        "keeps them (these steps would plan 10,000; steps past them read them again, in another epoch); a new "
+        "workdir reads 10,000 once\n")
+    assert prepared.train.planned_tokens == 1287 and prepared.train.layout(config.seed, config.seq_len).num_eras == 7

@@ -61,6 +61,18 @@ def test_the_order_depends_on_the_seed_and_nothing_else():
     assert np.array_equal(a.locate(positions)[2], again.locate(positions)[2])
 
 
+def test_a_raised_budget_keeps_the_smaller_one_as_the_start_of_its_first_epoch():
+    small = order.Layout(total_tokens=3209, seq_len=32, era_tokens=385, seed=1)  # 8 eras of 385 and one of 129
+    raised = order.Layout(total_tokens=6200, seq_len=32, era_tokens=385, seed=1, breaks=(3209,))
+    assert [raised.era_length(era) for era in range(raised.num_eras)] == [385] * 8 + [129] + [385] * 7 + [296]
+    assert raised.era_start(9) == 3209 and small.windows_in_epoch(0) == 100 and raised.windows_in_epoch(0) == 193
+    before = np.arange(small.windows_in_epoch(0))
+    for got, want in zip(raised.locate(before), small.locate(before)):
+        np.testing.assert_array_equal(got, want)
+    _, eras_of, offsets = raised.locate(np.arange(100, 193))  # the rest of epoch 0: the new eras, each window once
+    assert eras_of.min() == 9 and len(set(zip(eras_of.tolist(), offsets.tolist()))) == 93
+
+
 def one_era_reader(directory, tokens, seq_len, seed, data_order="epochs"):
     """The reader of a finite training split (one era) that holds `tokens`."""
     cache = eras.EraCache(str(directory), str(directory / "eras.json"), 0, len(tokens))

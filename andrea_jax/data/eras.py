@@ -87,7 +87,8 @@ class EraCache:
         return int(self.record().get("final_tokens") or self.planned_tokens)
 
     def layout(self, seed: int, seq_len: int) -> order.Layout:
-        return order.Layout(self.total_tokens(), seq_len, self.era_tokens, seed)
+        breaks = tuple(self.record().get("extended_from", ())) if self.era_tokens else ()
+        return order.Layout(self.total_tokens(), seq_len, self.era_tokens, seed, breaks)
 
     def built(self, era: int) -> bool:
         """Whether era `era` is on disk whole, by its manifest and its file's size (the cheap check)."""
@@ -143,17 +144,17 @@ def era_range(layout: order.Layout, batch_size: int, first_step: int, last_step:
 # ---- building ----
 
 def build_era(cache: EraCache, era: int, documents: StreamedDocuments, tokenizer: Tokenizer, start: dict,
-              length: int, log=print) -> tuple[dict | None, int]:
-    """Encodes era `era` from `start` (a record of where it begins) into the cache: at most `length` tokens.
-    Returns (the start of the next era, or None where the stream ended; the tokens written)."""
+              first_token: int, length: int, log=print) -> tuple[dict | None, int]:
+    """Encodes era `era` from `start` (a record of where it begins; `first_token` of the split) into the cache: at
+    most `length` tokens. Returns (the start of the next era, or None where the stream ended; the tokens written)."""
     _same_commit(cache, documents)
     tokens_path, manifest_path = cache.paths(era)
     next_start, manifest = token_cache.encode(tokens_path, documents, tokenizer, start, length)
     written, seconds = manifest["num_tokens"], manifest["build_seconds"]
     if written == 0:  # the stream ended where this era would start
-        _record_start(cache, era, None, final_tokens=era * cache.era_tokens)
+        _record_start(cache, era, None, final_tokens=first_token)
         return None, 0
-    _record_start(cache, era + 1, next_start, final_tokens=None if next_start else era * cache.era_tokens + written)
+    _record_start(cache, era + 1, next_start, final_tokens=None if next_start else first_token + written)
     atomic.write(manifest_path, json.dumps({"era": era, **manifest}, indent=1))
     per_second = lambda count: count / max(seconds, 1e-9) / 1e6
     log(f"era {era} encoded: {written:,} tokens in {seconds:.1f} s ({per_second(manifest['num_bytes']):.1f} MB/s of "
@@ -182,8 +183,8 @@ def _record_start(cache: EraCache, era: int, start: dict | None, final_tokens: i
 
 def start_record(record_path: str, identity: dict, era_tokens: int, planned_tokens: int) -> dict:
     """The workdir's record of its run's eras: read, or begun for a new run (with an id of its own, which keys
-    the run's era directory: the eras are the run's, deleted as its steps pass them). A resume keeps the
-    budget it began with: more steps read the eras again, in another epoch."""
+    the run's era directory: the eras are the run's, deleted as its steps pass them). A larger budget is
+    `raise_budget`'s."""
     record = EraCache("", record_path, era_tokens, planned_tokens).record()
     if not record:
         record = {"run": uuid.uuid4().hex[:12], "identity": identity, "era_tokens": era_tokens,
@@ -195,6 +196,37 @@ def start_record(record_path: str, identity: dict, era_tokens: int, planned_toke
         raise DataError(f"{record_path} records the eras of another source, tokenizer or seq_len; resume with the "
                         f"data.source, data.era_windows and seq_len the run started with, or use a new workdir")
     return record
+
+
+def raise_budget(cache: EraCache, tokens: int, first_step: int, batch_size: int, seed: int,
+                 seq_len: int) -> tuple[EraCache, str | None]:
+    """The run's eras for a budget of `tokens`, the run resuming at `first_step`, and a line saying what changed.
+
+    A larger budget goes on encoding the stream where the run's budget ended: the eras planned stay as they are
+    (the last one, short, too: `order.Layout.breaks`) and new ones follow them in epoch 0, so the steps trained
+    read the same windows and the steps after them read the rest of epoch 0, then text none has read. It is
+    refused, the budget kept, where the steps have read into a second epoch (extending epoch 0 would change what
+    they read) or the stream ended before the budget."""
+    planned, record = cache.planned_tokens, cache.record()
+    keeps = (f"it keeps them (these steps would plan {tokens:,}; steps past them read them again, in another "
+             f"epoch)")
+    if tokens <= planned:
+        return cache, None if tokens == planned else f"the run's eras were planned for {planned:,} tokens of the "                                                      f"stream, and {keeps}"
+    if "final_tokens" in record:
+        return cache, (f"the stream ended after {int(record['final_tokens']):,} tokens, fewer than the {planned:,} the "
+                       f"run planned: {keeps}")
+    first_epoch = cache.layout(seed, seq_len).windows_in_epoch(0)
+    if first_step * batch_size > first_epoch:
+        return cache, (f"the run's eras were planned for {planned:,} tokens of the stream and its steps read them "
+                       f"again from step {first_epoch // batch_size + 1}: {keeps}; a new workdir reads "
+                       f"{tokens:,} once")
+    record["extended_from"] = [*record.get("extended_from", []), planned]
+    record["planned_tokens"] = tokens
+    atomic.write(cache.record_path, json.dumps(record))
+    return dataclasses.replace(cache, planned_tokens=tokens), (
+        f"the run's stream budget rises from {planned:,} to {tokens:,} tokens: its eras go on encoding the stream "
+        f"where the first {planned:,} ended; the steps trained keep their windows and the later ones read text none "
+        f"read before")
 
 
 def encode(cache: EraCache, documents: StreamedDocuments, tokenizer: Tokenizer, layout_of, batch_size: int,
@@ -232,7 +264,7 @@ def encode(cache: EraCache, documents: StreamedDocuments, tokenizer: Tokenizer, 
         known = max(k for k in map(int, cache.record()["starts"]) if k <= era)
         for building in range(known, era + 1):  # the eras before `era` only to find where it starts
             next_start, _ = build_era(cache, building, documents, tokenizer, cache.record()["starts"][str(building)],
-                                      layout.era_length(building), log)
+                                      layout.era_start(building), layout.era_length(building), log)
             if building < era:
                 cache.delete(building)
             if next_start is None and cache.total_tokens() < layout.total_tokens:  # fewer eras than planned
@@ -360,7 +392,7 @@ def drop_outside(cache: EraCache, layout: order.Layout, position: int, keep_eras
 
 def required_space(cache: EraCache, keep_eras: int) -> int:
     """Bytes the eras still to write need: keep_eras + 1 of them at once, else all."""
-    count = -(-cache.planned_tokens // cache.era_tokens)
+    count = -(-cache.planned_tokens // cache.era_tokens) + len(cache.record().get("extended_from", ()))
     at_once = min(count, keep_eras + 1) if keep_eras else count
     on_disk = sum(os.path.getsize(cache.paths(era)[0]) for era in cache.on_disk() if cache.built(era))
     return max(0, at_once * cache.era_tokens * TOKEN_BYTES - on_disk)

@@ -60,32 +60,46 @@ def epoch_offset(seed: int, epoch: int, seq_len: int) -> int:
 
 @dataclasses.dataclass
 class Layout:
-    """A training split of `total_tokens`, cut into eras of `era_tokens` (0: one era) and windows of seq_len + 1."""
+    """A training split of `total_tokens`, cut into eras of `era_tokens` (0: one era) and windows of seq_len + 1.
+
+    `breaks` are the budgets a run had before it raised them: an era ends at each and the next begins there, so
+    the eras (and the windows) of the smaller budget are those of the larger one's epoch 0, unchanged."""
 
     total_tokens: int
     seq_len: int
     era_tokens: int = 0
     seed: int = 0
+    breaks: tuple = ()
     _epoch_starts: list = dataclasses.field(default_factory=lambda: [0], repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.era_tokens or self.era_tokens >= self.total_tokens:
             self.era_tokens = self.total_tokens
+        starts, begin = [], 0
+        for end in sorted({int(cut) for cut in self.breaks if 0 < cut < self.total_tokens}) + [self.total_tokens]:
+            starts += range(begin, end, max(self.era_tokens, 1))
+            begin = end
+        self._era_edges = np.array(starts + [self.total_tokens], np.int64)  # era k: tokens edges[k] .. edges[k + 1]
 
     @property
     def num_eras(self) -> int:
-        return -(-self.total_tokens // self.era_tokens)
+        return len(self._era_edges) - 1
+
+    def era_start(self, era: int) -> int:
+        """Where era `era` starts in the split's token stream."""
+        return int(self._era_edges[era])
 
     def era_length(self, era: int) -> int:
-        return min(self.era_tokens, self.total_tokens - era * self.era_tokens)
+        return int(self._era_edges[era + 1] - self._era_edges[era])
 
     def windows_in_era(self, era: int, offset: int) -> int:
         return max(0, (self.era_length(era) - 1 - offset) // self.seq_len)
 
+    def _windows_of_eras(self, offset: int) -> np.ndarray:
+        return np.maximum(0, (np.diff(self._era_edges) - 1 - offset) // self.seq_len)
+
     def windows_in_epoch(self, epoch: int) -> int:
-        offset = epoch_offset(self.seed, epoch, self.seq_len)
-        last = self.num_eras - 1
-        return last * self.windows_in_era(0, offset) + self.windows_in_era(last, offset)
+        return int(self._windows_of_eras(epoch_offset(self.seed, epoch, self.seq_len)).sum())
 
     def _epochs_of(self, positions: np.ndarray) -> np.ndarray:
         starts = self._epoch_starts  # grown as steps reach later epochs: a few entries for real runs
@@ -105,11 +119,11 @@ class Layout:
             rows = np.flatnonzero(epochs == epoch)
             offset = epoch_offset(self.seed, int(epoch), self.seq_len)
             in_epoch = positions[rows] - self._epoch_starts[epoch]
-            full = self.windows_in_era(0, offset)
-            era = np.minimum(in_epoch // max(full, 1), self.num_eras - 1)
+            before = np.concatenate([[0], np.cumsum(self._windows_of_eras(offset))])  # the epoch's windows before era k
+            era = np.searchsorted(before, in_epoch, side="right") - 1
             for k in np.unique(era):
                 at = era == k
-                index = in_epoch[at] - k * full
+                index = in_epoch[at] - before[k]
                 window = permute(index, self.windows_in_era(int(k), offset), _keys(self.seed, int(epoch), _PERMUTATION, int(k)))
                 eras[rows[at]] = k
                 offsets[rows[at]] = offset + window * self.seq_len

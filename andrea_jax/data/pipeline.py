@@ -72,11 +72,12 @@ def open_splits(config: ml_collections.ConfigDict) -> sources.Splits:
 
 
 def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources.Splits, tokenizer: Tokenizer,
-                preparing: bool = True) -> eras.EraCache:
+                preparing: bool = True, first_step: int = 0) -> eras.EraCache:
     """The training split's eras. A stream read in data.order="epochs": eras built beside training by the
     encoder process, the run's own (keyed by the id in the workdir's record); `preparing` (the leader's
     preparation, not the encoder process opening the same eras) checks the stream's start for text and the disk
-    for the eras, and says once that a resume keeps the budget it planned. Any other split: one era, built here
+    for the eras, and raises the budget of a run resumed at `first_step` that asks for more
+    (`eras.raise_budget`), saying so once. Any other split: one era, built here
     if missing, before the first step, and shared by the runs of its source (keyed by what it holds: the source,
     the tokenizer and a stream's token budget)."""
     cache_dir, seq_len = sources.cache_dir_of(config.data), int(config.seq_len)
@@ -90,9 +91,10 @@ def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources
                               int(record["planned_tokens"]))
         if preparing:
             token_cache.require_writable(cache.directory)  # the encoder writes every era of the run there
-            if cache.planned_tokens != splits.train_tokens:
-                print(f"the run's eras were planned for {cache.planned_tokens:,} tokens of the stream, and it keeps "
-                      f"them (these steps would plan {splits.train_tokens:,}; more steps read them again)", flush=True)
+            cache, said = eras.raise_budget(cache, _budget(config, cache, splits), first_step, int(config.batch_size),
+                                            int(config.seed), seq_len)
+            if said:
+                print(said, flush=True)
             eras.check_space(cache, int(config.data.keep_eras))
         return cache
     identity = {**splits.identity, "train_tokens": splits.train_tokens} if splits.train_tokens else splits.identity
@@ -102,6 +104,17 @@ def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources
         raise DataError(f"the training split has {whole.num_tokens} tokens, fewer than seq_len + 1 "
                         f"= {seq_len + 1}; add text or lower seq_len")
     return eras.EraCache(directory, os.path.join(workdir, eras.RECORD_FILE), 0, whole.num_tokens)
+
+
+def _budget(config: ml_collections.ConfigDict, cache: eras.EraCache, splits: sources.Splits) -> int:
+    """The budget a resumed run's config asks for: data.stream_tokens, or where that is 0 the planned budget and
+    what holds the windows its steps read past the planned budget's epoch 0 (those eras follow its own)."""
+    if int(config.data.stream_tokens) or cache.planned_tokens == splits.train_tokens:
+        return splits.train_tokens
+    seq_len, windows = int(config.seq_len), int(config.steps) * int(config.batch_size)
+    more = windows - cache.layout(int(config.seed), seq_len).windows_in_epoch(0)
+    return cache.planned_tokens + (eras.tokens_for_windows(more, seq_len, int(config.data.era_windows)) if more > 0
+                                   else 0)
 
 
 def validation_split(config: ml_collections.ConfigDict, splits: sources.Splits, tokenizer: Tokenizer,
@@ -195,7 +208,7 @@ def _built_by_the_leader(directory: str, name: str = "val", split: str = "valida
     return built
 
 
-def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
+def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str, first_step: int) -> Prepared:
     os.makedirs(workdir, exist_ok=True)
     splits = open_splits(config)
     cache_dir, keep_eras = sources.cache_dir_of(config.data), int(config.data.keep_eras)
@@ -207,7 +220,7 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepa
         at_once = min(splits.train_tokens, (keep_eras + 1) * era_size) if kept else splits.train_tokens
         token_cache.require_space(cache_dir, at_once * token_cache.TOKEN_BYTES)
     tokenizer, new_tokenizer = tokenizer_for_run(config, workdir, splits.train)
-    train = train_cache(config, workdir, splits, tokenizer)  # era 0 of a stream: by the encoder the loop starts
+    train = train_cache(config, workdir, splits, tokenizer, first_step=first_step)  # era 0 of a stream: by the encoder the loop starts
     val = validation_split(config, splits, tokenizer)
     seq_len, batch_size = int(config.seq_len), int(config.batch_size)
     if batcher.num_val_batches(val.num_tokens, batch_size, seq_len) < 1:
@@ -224,12 +237,12 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str) -> Prepa
     return Prepared(tokenizer, train, val)
 
 
-def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = True) -> Prepared:
-    """Tokenizer and token caches for this config; only the leader writes anything, the others read
-    what it recorded."""
+def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = True, first_step: int = 0) -> Prepared:
+    """Tokenizer and token caches for this config, the run starting (or resuming) at `first_step`; only the
+    leader writes anything, the others read what it recorded."""
     workdir = os.fspath(workdir)
     if is_leader:
-        return _prepare_as_leader(config, workdir)
+        return _prepare_as_leader(config, workdir, first_step)
     record_path = os.path.join(workdir, RECORD_FILE)
     try:
         with open(record_path, encoding="utf-8") as f:

@@ -69,7 +69,7 @@ class RunWindows:
             starts = batcher.random_starts(self.seed, index, num_windows, self.batch_size)
             return [(0, int(start)) for start in starts]
         _, era_of, offset_of = self.layout.locate(np.arange(index * self.batch_size, (index + 1) * self.batch_size))
-        return [(int(era), int(era) * self.layout.era_tokens + int(offset)) for era, offset in zip(era_of, offset_of)]
+        return [(int(era), self.layout.era_start(int(era)) + int(offset)) for era, offset in zip(era_of, offset_of)]
 
     def tokens(self, era: int, offset: int) -> np.ndarray | None:
         if era not in self._open:
@@ -77,7 +77,7 @@ class RunWindows:
         tokens = self._open[era]
         if tokens is None:
             return None
-        start = offset - era * self.layout.era_tokens
+        start = offset - self.layout.era_start(era)
         return np.asarray(tokens[start:start + self.seq_len + 1])
 
 
