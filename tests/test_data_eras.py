@@ -586,3 +586,38 @@ def test_a_larger_budget_after_the_steps_began_a_second_epoch_keeps_the_old_one_
         "keeps them (these steps would plan 10,000; steps past them read them again, in another epoch); a new "
         "workdir reads 10,000 once\n")
     assert prepared.train.planned_tokens == 1287 and prepared.train.layout(config.seed, config.seq_len).num_eras == 7
+
+
+def test_a_run_given_more_tokens_goes_on_in_the_stream_and_a_kill_9_there_resumes_exactly(tmp_path):
+    """24 steps on a budget of 100 windows (8 eras of 12 and one of 4); then --config.steps=48 with a budget of 193
+    windows: the new eras follow the 9, and a run killed in them resumes to the numbers of one that was not."""
+    from andrea_jax.tools.batches import RunWindows
+
+    run = stream_run(tmp_path)
+    first, more = ("--config.steps=24", "--config.data.stream_tokens=3209"), \
+        ("--config.steps=48", "--config.data.stream_tokens=6200")
+    whole, killed, killed_cache = str(tmp_path / "whole"), str(tmp_path / "killed"), tmp_path / "killed_cache"
+    process = train(run, whole, *first)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0, output[-3000:]
+    shutil.copytree(whole, killed)
+    shutil.copytree(tmp_path / "cache", killed_cache)
+    read_before = [RunWindows(whole).windows(step) for step in range(1, 25)]
+
+    process = train(run, whole, *more)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0, output[-3000:]
+    assert output.count("stream budget rises from 3,209 to 6,200 tokens") == 1, output[-3000:]
+    read = [RunWindows(whole).windows(step) for step in range(1, 49)]
+    assert read[:24] == read_before  # the steps trained keep their windows
+    starts = sorted(offset for windows in read for _, offset in windows)
+    # 192 windows of the stream, none read twice (neighbours share only their edge token).
+    assert len(starts) == 192 and np.all(np.diff(starts) >= 32)
+    assert {era for windows in read[24:] for era, _ in windows} >= set(range(9, 17))
+
+    killed_run = lambda: train(run, killed, f"--config.data.cache_dir={killed_cache}", *more)
+    kill_when(killed_run(), lambda: os.path.isdir(os.path.join(killed, "checkpoints", "32")), "step 32")
+    assert max(checkpoint_steps(killed)) < 48  # killed in the new eras, before the run's end
+    output = killed_run().communicate(timeout=600)[0]
+    assert "resumed from step" in output and "stream budget rises" not in output, output[-3000:]
+    assert logged(killed) == logged(whole)
