@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import re
 
 import jax
 import pytest
@@ -173,3 +174,18 @@ def test_the_readme_says_what_stream_tokens_0_takes_as_the_config_does():
     with open(pathlib.Path(__file__).parent.parent / "README.md", encoding="utf-8") as f:
         row = next(line for line in f if line.startswith("| `data.stream_tokens`"))
     assert "(0 = what the steps read: exactly their windows in `data.order='epochs'`, a tenth more in `'random'`)" in row
+
+
+def test_the_readme_budget_for_more_fineweb5b_steps_covers_them_in_one_epoch():
+    """The README's `--config.steps=11444 --config.data.stream_tokens=...`: the new eras follow the 5.1B budget's,
+    and the first epoch holds every window the 11,444 steps read."""
+    from configs import andrea120m_fineweb5b
+    from andrea_jax.data import eras, order
+
+    with open(pathlib.Path(__file__).parent.parent / "README.md", encoding="utf-8") as f:
+        advice = re.search(r"--config\.steps=(\d+) --config\.data\.stream_tokens=(\d+)", f.read())
+    steps, tokens = map(int, advice.groups())
+    c = andrea120m_fineweb5b.get_config()
+    raised = order.Layout(tokens, c.seq_len, eras.era_tokens(c.data, c.seq_len), c.seed, breaks=(c.data.stream_tokens,))
+    assert steps * c.batch_size * c.seq_len == pytest.approx(6.0e9, rel=0.001)
+    assert steps * c.batch_size <= raised.windows_in_epoch(0) < steps * c.batch_size * 1.02

@@ -431,7 +431,7 @@ def test_a_resume_that_would_plan_other_eras_says_so_once(tmp_path, capsys):
     config, workdir = era_config(tmp_path), str(tmp_path / "run")
     prepared_eras(config, workdir)
     assert "budget" not in capsys.readouterr().out
-    config.steps = 12  # a resume with more steps (data.stream_tokens=0): eras for their 8 windows (one era and 2) follow the 40
+    config.steps = 12  # a resume with more steps (data.stream_tokens=0): eras for their 8 windows follow the 40
     prepared = prepared_eras(config, workdir, first_step=10)
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "stream budget rises from 1,287 to 1,545 tokens" in out, out
@@ -540,7 +540,8 @@ def test_a_new_streamed_run_that_stops_before_its_first_step_leaves_neither_work
 
 def windows_in_the_stream(cache, config, steps):
     """(the first token in the training stream of each window steps 0..steps-1 read, their rows)."""
-    layout, reader = cache.layout(config.seed, config.seq_len), eras.Reader(cache, config.seed, config.seq_len, 0, False)
+    layout = cache.layout(config.seed, config.seq_len)
+    reader = eras.Reader(cache, config.seed, config.seq_len, 0, False)
     _, era_of, offset_of = layout.locate(np.arange(steps * config.batch_size))
     starts = np.array([layout.era_start(era) for era in era_of.tolist()]) + offset_of
     return starts, np.concatenate([reader.batch(step, config.batch_size) for step in range(steps)])

@@ -220,7 +220,8 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str, first_st
         at_once = min(splits.train_tokens, (keep_eras + 1) * era_size) if kept else splits.train_tokens
         token_cache.require_space(cache_dir, at_once * token_cache.TOKEN_BYTES)
     tokenizer, new_tokenizer = tokenizer_for_run(config, workdir, splits.train)
-    train = train_cache(config, workdir, splits, tokenizer, first_step=first_step)  # era 0 of a stream: by the encoder the loop starts
+    # Era 0 of a stream: by the encoder the loop starts.
+    train = train_cache(config, workdir, splits, tokenizer, first_step=first_step)
     val = validation_split(config, splits, tokenizer)
     seq_len, batch_size = int(config.seq_len), int(config.batch_size)
     if batcher.num_val_batches(val.num_tokens, batch_size, seq_len) < 1:
