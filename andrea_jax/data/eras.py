@@ -3,8 +3,8 @@
 A finite split, and a stream's budget read in data.order="random", is one era (`train.bin`), encoded
 before the first step and shared by the runs of its source. A stream read in data.order="epochs" is
 cut in eras built by an encoder beside the training loop, the run's own. Era k is tokens
-[k·era_tokens, (k + 1)·era_tokens) of the split (a raised budget's eras follow the last, short one of the
-budget before: `raise_budget`) (`order.py` cuts its windows), in `<cache>/train.era<k>.bin`
+[k·era_tokens, (k + 1)·era_tokens) of the split (`order.py` cuts its windows; a raised budget's eras follow
+the last, short one of the budget before: `raise_budget`), in `<cache>/train.era<k>.bin`
 with a manifest `train.era<k>.json` written last: an era is there whole or not at all. Where each era
 starts in the stream (the document, the token inside it, the `datasets` state of a read at or before that
 document) is recorded in the workdir's `eras.json` as soon as the era before it is done, so a resume on a
