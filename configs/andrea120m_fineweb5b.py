@@ -18,6 +18,8 @@ def get_config():
     o.warmup_steps = 300  # build-nanogpt's 3× run warmed up over ~285
     o.decay = "wsd"  # ends well at any step: resume with steps = the checkpoint's + cooldown_steps to end early
     o.cooldown_steps = 1_907  # the last 20% (Hägele et al.: 10-20%)
-    o.cooldown_shape = "1-sqrt"  # better than linear in Hägele et al.; to a tenth of the peak, as the study ran it
+    o.cooldown_shape = "1-sqrt"  # better than linear in Hägele et al.
+    # To a tenth of the peak (min_learning_rate_ratio, the default): cooling to zero instead gained nothing at
+    # shakespeare_char (1.615 against 1.613, seeds 1-2; bench/RESULTS.md, the floor study)
     c.data.stream_tokens = 5_100_000_000  # the first 5.1B tokens of the sample: the 5.0B the steps read, each once
     return c
