@@ -88,14 +88,15 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
                        if config.optimizer.name == "muon" else 0.0)
     cost = steps.train.cost_analysis() or {}
     xla_flops = cost["flops"] * devices * config.microbatches if "flops" in cost else None
-    traffic = hbm_traffic.count(steps.train.as_text())
+    hlo = steps.train.as_text()
+    traffic = hbm_traffic.count(hlo)
     peak = flops.device_peak_flops(target.devices[0], config.model.dtype)
     estimate, missing = None, "" if target.kernel_rates else "any kind of kernel"
     if target.kernel_rates:
         width = config.model.d_model // config.model.n_head
         shares = attention.kernel_shares(config.model.attention, config.seq_len, width, target.devices[0].device_kind)
         try:
-            estimate = kernel_time.estimate(steps.train.as_text(), target.kernel_rates, shares, fill)
+            estimate = kernel_time.estimate(hlo, target.kernel_rates, shares, fill)
         except kernel_time.MissingRate as error:
             missing = str(error)
     if not peak or not target.memory_bytes_per_second:

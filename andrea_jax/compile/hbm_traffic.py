@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import math
 import re
+from typing import Iterator
 
 # An array shape with its optional layout: bf16[32,1024,768]{2,1,0:T(8,128)(2,1)S(1)}.
 ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
@@ -126,13 +127,45 @@ def trip_count(loop: Instruction, computations: dict[str, list[Instruction]]) ->
     return int(value.group(1)) if value else 1
 
 
+def bodies(computations: dict[str, list[Instruction]], entry: str) -> Iterator[tuple[list[Instruction], int]]:
+    """Each computation a run of the program executes, with how many times: the entry once, a `while` body its
+    trip count times its caller's, a `call`'s once its caller's."""
+    pending = [(entry, 1)]
+    while pending:
+        name, times = pending.pop()
+        body = computations[name]
+        yield body, times
+        for instruction in body:
+            if instruction.opcode in ("while", "call"):
+                trips = trip_count(instruction, computations) if instruction.opcode == "while" else 1
+                key = "body" if instruction.opcode == "while" else "to_apply"
+                pending += [(called, times * trips)
+                            for called in re.findall(rf"{key}=%([\w.\-]+)", instruction.attributes)]
+
+
+def moved_bytes(instruction: Instruction, shapes: dict[str, str]) -> float:
+    """Device-memory bytes one run of a top-level instruction reads and writes."""
+    opcode = instruction.opcode
+    read = sum(array_bytes(shapes.get(operand, "")) for operand in instruction.operands)
+    written = array_bytes(instruction.output)
+    # A slice reads only what it writes; an asynchronous one writes the slice into the
+    # output's last arrays (on chip, on a TPU), after the source's alias.
+    if opcode in ("slice", "dynamic-slice"):
+        read = written
+    elif opcode == "slice-start":
+        read = array_bytes(" ".join(m.group(0) for m in list(ARRAY.finditer(instruction.output))[-2:]), True)
+    if opcode.endswith("-start"):
+        written = 0.0  # the output aliases the source; the write is the -done's
+    elif opcode.endswith("-done"):
+        read = 0.0
+    return read + written
+
+
 def count(hlo_text: str) -> dict[str, float]:
     """Device-memory bytes a run of the program moves, by part of the model (`PARTS`)."""
     computations, entry = parse(hlo_text)
     by_part = collections.defaultdict(float)
-
-    def walk(name: str, times: int) -> None:
-        body = computations[name]
+    for body, times in bodies(computations, entry):
         shapes = {i.name: i.output for i in body}
         parts = {i.name: part_of(i, computations) for i in body}
         users = collections.defaultdict(list)
@@ -146,28 +179,6 @@ def count(hlo_text: str) -> dict[str, float]:
                 parts[instruction.name] = next((parts[u] for u in users[instruction.name] if parts[u] != "other"),
                                                "other")
         for instruction in body:
-            opcode = instruction.opcode
-            if opcode in ("while", "call"):  # a loop's body counts once a trip; a call's once
-                trips = trip_count(instruction, computations) if opcode == "while" else 1
-                key = "body" if opcode == "while" else "to_apply"
-                for computation in re.findall(rf"{key}=%([\w.\-]+)", instruction.attributes):
-                    walk(computation, times * trips)
-                continue
-            if opcode in FREE:
-                continue
-            read = sum(array_bytes(shapes.get(operand, "")) for operand in instruction.operands)
-            written = array_bytes(instruction.output)
-            # A slice reads only what it writes; an asynchronous one writes the slice into the
-            # output's last arrays (on chip, on a TPU), after the source's alias.
-            if opcode in ("slice", "dynamic-slice"):
-                read = written
-            elif opcode == "slice-start":
-                read = array_bytes(" ".join(m.group(0) for m in list(ARRAY.finditer(instruction.output))[-2:]), True)
-            if opcode.endswith("-start"):
-                written = 0.0  # the output aliases the source; the write is the -done's
-            elif opcode.endswith("-done"):
-                read = 0.0
-            by_part[parts[instruction.name]] += times * (read + written)
-
-    walk(entry, 1)
+            if instruction.opcode not in FREE and instruction.opcode not in ("while", "call"):
+                by_part[parts[instruction.name]] += times * moved_bytes(instruction, shapes)
     return {part: by_part[part] for part in PARTS if by_part[part]}

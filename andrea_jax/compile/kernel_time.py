@@ -72,7 +72,7 @@ def kind_of(name: str, opcode: str, custom_target: str, fused_dot: bool) -> str:
         return "attention"
     if fused_dot or opcode in ("dot", "convolution") or re.search(r"cublas|gemm|matmul", custom_target, re.I):
         return "matrix products"
-    if opcode in hbm_traffic.LAYOUT_OPS or opcode.startswith("copy") or re.search(r"copy|transpose", name):
+    if opcode in hbm_traffic.LAYOUT_OPS or re.search(r"copy|transpose", name):
         return "copies"
     return "other fusions"
 
@@ -155,23 +155,15 @@ def estimate(hlo_text: str, rates, attention_shares: tuple[float, float] = (0.5,
     Raises MissingRate when the program runs a kind of kernel the rates have no figure for."""
     computations, entry = hbm_traffic.parse(hlo_text)
     kernels: list[Kernel] = []
-
-    def walk(name: str, times: int) -> None:
-        body = computations[name]
+    for body, times in hbm_traffic.bodies(computations, entry):
         shapes = {i.name: i.output for i in body}
         for instruction in body:
-            if instruction.opcode in ("while", "call"):
-                trips = hbm_traffic.trip_count(instruction, computations) if instruction.opcode == "while" else 1
-                for called in re.findall(r"(?:body|to_apply)=%([\w.\-]+)", instruction.attributes):
-                    walk(called, times * trips)
-                continue
             # An asynchronous copy or slice (a TPU's prefetch into on-chip memory) runs beside the kernels.
-            if instruction.opcode in hbm_traffic.FREE or instruction.opcode.endswith(("-start", "-done")):
+            if (instruction.opcode in hbm_traffic.FREE or instruction.opcode in ("while", "call")
+                    or instruction.opcode.endswith(("-start", "-done"))):
                 continue
             kernels.append(_kernel(instruction, shapes, computations, rates, times, attention_shares,
                                    attention_fill))
-
-    walk(entry, 1)
     by_kind = {kind: sum(k.seconds * k.times for k in kernels if k.kind == kind) for kind in KINDS}
     by_kind["launches"] = rates.launch_seconds * sum(k.times for k in kernels)
     return Estimate(kernels, by_kind)
@@ -180,19 +172,15 @@ def estimate(hlo_text: str, rates, attention_shares: tuple[float, float] = (0.5,
 def _kernel(instruction, shapes, computations, rates, times, attention_shares, attention_fill) -> Kernel:
     custom_target = re.search(r'custom_call_target="([^"]+)"', instruction.attributes)
     custom_target = custom_target.group(1) if custom_target else ""
-    fused = {}
+    fused = []
     if instruction.opcode == "fusion":
         called = re.search(r"calls=%([\w.\-]+)", instruction.attributes)
-        fused = {i.name: i for i in computations.get(called.group(1), [])} if called else {}
-    dots = [i for i in fused.values() if i.opcode in ("dot", "convolution")]
+        fused = computations.get(called.group(1), []) if called else []
+    dots = [i for i in fused if i.opcode in ("dot", "convolution")]
+    operand_shapes = {i.name: i.output for i in fused}  # the dots' operands are the fused computation's values
     kind = kind_of(instruction.name, instruction.opcode, custom_target, bool(dots))
     if kind == "matrix products" and not dots:  # a dot, or a cuBLAS call with the dot's dimension numbers
-        dots, fused = [instruction], shapes
-    read = sum(hbm_traffic.array_bytes(shapes.get(operand, "")) for operand in instruction.operands)
-    written = hbm_traffic.array_bytes(instruction.output)
-    if instruction.opcode in ("slice", "dynamic-slice"):
-        read = written
-    moved = read + written
+        dots, operand_shapes = [instruction], shapes
     flops, compute_seconds = 0.0, 0.0
     if kind == "attention":
         if not rates.attention:
@@ -200,20 +188,17 @@ def _kernel(instruction, shapes, computations, rates, times, attention_shares, a
         flops = attention_flops(instruction, shapes, attention_shares)
         compute_seconds = flops / (rates.attention * attention_fill)
     elif kind == "matrix products":
-        fused_shapes = {name: i.output for name, i in fused.items()} if fused is not shapes else shapes
         for dot in dots:
+            dtype = DTYPE_RATES.get(_dims(operand_shapes[dot.operands[0]])[0])
+            if not rates.products.get(dtype):
+                raise MissingRate(f"{dtype} products")
             if dot.opcode == "convolution":  # a TPU's: its matrix units have no waves to fill
-                dtype = DTYPE_RATES.get(_dims(fused_shapes[dot.operands[0]])[0])
-                if not rates.products.get(dtype):
-                    raise MissingRate(f"{dtype} products")
-                flops += convolution_flops(dot, fused_shapes)
-                compute_seconds += convolution_flops(dot, fused_shapes) / rates.products[dtype]
-                continue
-            dtype, batch, m, n, k = product_shape(dot, fused_shapes)
-            rate = rates.products.get(DTYPE_RATES.get(dtype, dtype))
-            if not rate:
-                raise MissingRate(f"{DTYPE_RATES.get(dtype, dtype)} products")
-            flops += 2.0 * batch * m * n * k
-            compute_seconds += 2.0 * batch * m * n * k / (rate * wave_efficiency(batch, m, n, k, rates.cores))
+                dot_flops, efficiency = convolution_flops(dot, operand_shapes), 1.0
+            else:
+                _, batch, m, n, k = product_shape(dot, operand_shapes)
+                dot_flops, efficiency = 2.0 * batch * m * n * k, wave_efficiency(batch, m, n, k, rates.cores)
+            flops += dot_flops
+            compute_seconds += dot_flops / (rates.products[dtype] * efficiency)
+    moved = hbm_traffic.moved_bytes(instruction, shapes)
     seconds = max(compute_seconds, moved / rates.memory_bytes_per_second)
     return Kernel(instruction.name, kind, flops, moved, seconds, times, instruction.op_name)
