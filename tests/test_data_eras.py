@@ -75,12 +75,17 @@ def test_eras_hold_the_stream_cut_where_the_budget_says(tmp_path):
     assert len({tuple(row) for row in rows.tolist()}) == 40
 
 
-def test_steps_train_from_the_first_era_while_the_rest_encode(tmp_path):
-    config = era_config(tmp_path)
+def prebuilt_batches(config, tmp_path) -> list:
+    """Every step's batch of `config`'s run with all its eras encoded first: what a run must read."""
     built_first = prepared_eras(config, str(tmp_path / "built_first"))
     encode_all(config, built_first)
-    expected = [eras.Reader(built_first.train, config.seed, config.seq_len, 0, False).batch(step, 4)
-                for step in range(config.steps)]
+    return [eras.Reader(built_first.train, config.seed, config.seq_len, 0, False).batch(step, 4)
+            for step in range(config.steps)]
+
+
+def test_steps_train_from_the_first_era_while_the_rest_encode(tmp_path):
+    config = era_config(tmp_path)
+    expected = prebuilt_batches(config, tmp_path)
 
     config.data.cache_dir = str(tmp_path / "growing")
     prepared = prepared_eras(config, str(tmp_path / "run"))
@@ -155,10 +160,7 @@ def test_an_era_deleted_before_training_reads_it_is_encoded_again(tmp_path, dele
     """The encoder, held back by keep_eras, has built era 1 ahead and waits; era 1 goes (a tmp cleaner, a user
     freeing disk): the encoder builds it again, and the steps read what they would have."""
     config = era_config(tmp_path)
-    built_first = prepared_eras(config, str(tmp_path / "built_first"))
-    encode_all(config, built_first)
-    expected = [eras.Reader(built_first.train, config.seed, config.seq_len, 0, False).batch(step, 4)
-                for step in range(config.steps)]
+    expected = prebuilt_batches(config, tmp_path)
 
     config.data.cache_dir = str(tmp_path / "deleted")
     prepared = prepared_eras(config, str(tmp_path / "run"))
