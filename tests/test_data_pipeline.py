@@ -81,6 +81,22 @@ def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path, capsys):
     with open(workdir / "data.json") as f:
         assert json.load(f)["tokenizer_sha256"] == tokenizer.sha256
 
+    # A new workdir on the same source and sample reuses the BPE data.cache_dir keeps, and so its caches;
+    # another sample size trains a tokenizer of its own, kept beside the first.
+    config.data.tokenizer_train_bytes = 50_000
+    kept = pipeline.kept_bpe_path(config, pipeline.open_splits(config), 8192)
+    second = pipeline.prepare(config, str(tmp_path / "second"))
+    assert capsys.readouterr().out.splitlines() == [  # nothing encoded
+        f"reusing the BPE tokenizer trained on this source before: {kept}"]
+    assert second.tokenizer.sha256 == tokenizer.sha256 and second.train.paths(0) == first.train.paths(0)
+    assert tokenizers.load(tmp_path / "second" / "tokenizer.json").sha256 == tokenizer.sha256
+    config.data.tokenizer_train_bytes = 10_000
+    third = pipeline.prepare(config, str(tmp_path / "third"))
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "training the BPE tokenizer (8192 merges) on up to 0.01 MB of the training split")
+    assert third.tokenizer.sha256 != tokenizer.sha256
+    assert len(os.listdir(tmp_path / "cache" / "tokenizers")) == 2
+
 
 def test_stdlib_source_with_byte_tokens(tmp_path):
     prepared = pipeline.prepare(make_config(tmp_path, "stdlib"), str(tmp_path / "run"))

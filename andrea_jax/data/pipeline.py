@@ -10,6 +10,7 @@ how a failure on any process reaches the others, is `andrea_jax/runtime/leader_f
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -153,18 +154,33 @@ def training_sample(documents: Documents, max_bytes: int) -> list[str]:
     return sample
 
 
-def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Tokenizer:
-    kind = str(config.data.tokenizer)
+def kept_bpe_path(config: ml_collections.ConfigDict, splits: sources.Splits, merges: int) -> str:
+    """Where a BPE trained on this source's training split is kept for every new workdir: keyed by what
+    training reads (the source identity, the merges, the sample's size), as a token cache is by what it holds."""
+    content = json.dumps({"identity": splits.identity, "merges": merges,
+                          "sample_bytes": int(config.data.tokenizer_train_bytes)}, sort_keys=True)
+    key = hashlib.sha256(content.encode("utf-8")).hexdigest()[:20]
+    return os.path.join(sources.cache_dir_of(config.data), "tokenizers", key, TOKENIZER_FILE)
+
+
+def _bpe_merges(config: ml_collections.ConfigDict) -> int:
+    wanted = int(config.model.vocab_size)  # 256 byte tokens + merges + end-of-text: the model's size fixes them
+    return wanted - 257 if wanted > 257 else tokenizers.BPE_MERGES
+
+
+def _new_tokenizer(config: ml_collections.ConfigDict, splits: sources.Splits) -> Tokenizer:
+    kind, train = str(config.data.tokenizer), splits.train
     if kind == "byte":
         return tokenizers.ByteTokenizer()
     if kind == "char":
         print("collecting the character tokenizer's characters from the training split", flush=True)
         return tokenizers.build_char(_texts(train))
     if kind == "bpe":
-        wanted = int(config.model.vocab_size)
-        # 256 byte tokens + merges + end-of-text: the model's size fixes the merges.
-        merges = wanted - 257 if wanted > 257 else tokenizers.BPE_MERGES
-        max_bytes = int(config.data.tokenizer_train_bytes)
+        merges, max_bytes = _bpe_merges(config), int(config.data.tokenizer_train_bytes)
+        kept = kept_bpe_path(config, splits, merges)
+        if os.path.isfile(kept):
+            print(f"reusing the BPE tokenizer trained on this source before: {kept}", flush=True)
+            return tokenizers.load(kept)
         print(f"training the BPE tokenizer ({merges} merges) on up to {max_bytes / 1e6:g} MB of the training split",
               flush=True)
         sample = training_sample(train, max_bytes)
@@ -180,11 +196,13 @@ def _new_tokenizer(config: ml_collections.ConfigDict, train: Documents) -> Token
     return tokenizers.load(kind)
 
 
-def tokenizer_for_run(config: ml_collections.ConfigDict, workdir: str, train: Documents) -> tuple[Tokenizer, bool]:
-    """(the workdir's tokenizer.json if it has one (never retrained), else a new one; whether it is new)."""
+def tokenizer_for_run(config: ml_collections.ConfigDict, workdir: str,
+                      splits: sources.Splits) -> tuple[Tokenizer, bool]:
+    """(the workdir's tokenizer.json if it has one (never retrained), else a new one (a BPE this source trained
+    before if data.cache_dir keeps one); whether it is new to the workdir)."""
     path, requested = os.path.join(workdir, TOKENIZER_FILE), str(config.data.tokenizer)
     resumed = os.path.exists(path)
-    tokenizer = tokenizers.load(path) if resumed else _new_tokenizer(config, train)
+    tokenizer = tokenizers.load(path) if resumed else _new_tokenizer(config, splits)
     if resumed and requested in ("bpe", "byte", "char"):
         if tokenizer.kind != requested:
             raise DataError(f"{path} is a {tokenizer.kind} tokenizer but data.tokenizer={requested!r}; "
@@ -219,7 +237,7 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str, first_st
         kept = keep_eras and config.data.order == "epochs"
         at_once = min(splits.train_tokens, (keep_eras + 1) * era_size) if kept else splits.train_tokens
         token_cache.require_space(cache_dir, at_once * token_cache.TOKEN_BYTES)
-    tokenizer, new_tokenizer = tokenizer_for_run(config, workdir, splits.train)
+    tokenizer, new_tokenizer = tokenizer_for_run(config, workdir, splits)
     # Era 0 of a stream: by the encoder the loop starts.
     train = train_cache(config, workdir, splits, tokenizer, first_step=first_step)
     val = validation_split(config, splits, tokenizer)
@@ -231,6 +249,10 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str, first_st
             f"(data.stream_val_documents for hf:), add text, or lower batch_size or seq_len")
     if new_tokenizer:  # saved once the data is known to train on: a refused run leaves none to reuse
         tokenizer.save(os.path.join(workdir, TOKENIZER_FILE))
+        kept = kept_bpe_path(config, splits, _bpe_merges(config))
+        if str(config.data.tokenizer) == "bpe" and not os.path.exists(kept):  # data.cache_dir is writable by now
+            os.makedirs(os.path.dirname(kept), exist_ok=True)
+            tokenizer.save(kept)
     record = {"train_eras": {key: value for key, value in dataclasses.asdict(train).items() if key != "record_path"},
               "validation_directory": os.path.dirname(val.path),  # the workdir may move: no record_path
               "tokenizer_sha256": tokenizer.sha256, "source": splits.identity}
