@@ -60,9 +60,9 @@ def _stop_signals() -> Iterator[_StopRequests]:
     """Remembers SIGTERM/SIGINT (their names, in the list it yields) so the loop can finish the step and save first.
 
     A second Ctrl-C stops at once, except within `stopping_promptly()` (the loop waits for a batch, which a stop
-    request ends at once, or saves the checkpoint the stop asked for): it is one more request there, so that it
-    cannot lose that checkpoint. A signal the process was started ignoring (Ctrl-C in a job a script put in the
-    background) stays ignored, as it is before the first step, where Python leaves it so."""
+    request ends at once, or saves the checkpoint the stop asked for, until it is written): it is one more request
+    there, so that it cannot lose that checkpoint. A signal the process was started ignoring (Ctrl-C in a job a
+    script put in the background) stays ignored, as it is before the first step, where Python leaves it so."""
     received = _StopRequests()
     previous = {}
     prompt = [False]
@@ -77,6 +77,8 @@ def _stop_signals() -> Iterator[_StopRequests]:
     @contextlib.contextmanager
     def stopping_promptly():
         prompt[0] = True
+        if received and signal.SIGINT in previous:  # re-armed by a Ctrl-C during a step: only noted here
+            signal.signal(signal.SIGINT, remember)
         try:
             yield
         except BaseException:  # the loop stops (a stop request ended the wait): a Ctrl-C until its save is noted
@@ -465,6 +467,9 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
             if done != saved:
                 with received.stopping_promptly():
                     save(done, state)
+        if stopping:  # the stop's checkpoint is written before a second Ctrl-C can end the run
+            with received.stopping_promptly():
+                ckpt.wait()
     progress.close()
     ckpt.wait()
     if leader and stopping:

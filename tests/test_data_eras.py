@@ -328,14 +328,9 @@ def test_a_stop_while_a_step_waits_for_its_era_saves_the_last_finished_step_at_o
         seconds_to_stop = time.monotonic() - stopped_at
     finally:
         process.kill()
-    assert f"{signals[0]} received: saving a checkpoint" in output, output[-3000:]
-    # A second Ctrl-C that lands while Orbax waits for the stop's save makes Orbax log the interrupted wait (its
-    # own traceback, the checkpoint kept): the run's ending is still the one line below. No traceback of ours.
-    tracebacks = output.split("Traceback (most recent call last):")[1:]
-    assert all("orbax/checkpoint" in t.split("KeyboardInterrupt")[0] and len(signals) == 2 for t in tracebacks), \
-        output[-3000:]
+    assert "Traceback" not in output and f"{signals[0]} received: saving a checkpoint" in output, output[-3000:]
     stopped = f"stopped at step 3 on {signals[0]}; checkpoint saved in"
-    # A second Ctrl-C is noted while the step waits or its checkpoint is handed to Orbax; after that, it stops the
+    # A second Ctrl-C is noted while the step waits or its checkpoint is written; after that, it stops the
     # run at once, in one line, the checkpoint written.
     at_once = "error: stopped at once by Ctrl-C; the newest checkpoint is step 3; run the same command"
     assert (process.returncode == 0 and stopped in output) or (

@@ -411,3 +411,25 @@ def test_a_ctrl_c_the_run_was_started_ignoring_is_ignored_in_training_too(inheri
         assert signal.getsignal(signal.SIGINT) == inherited
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_second_ctrl_c_is_only_noted_while_the_stop_saves_even_after_one_during_a_step():
+    """The first Ctrl-C lands during a step (the next stops at once), the second while the stop's checkpoint is
+    written (only noted, so that it is kept), the third after it (at once)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with train_loop._stop_signals() as received:
+            os.kill(os.getpid(), signal.SIGINT)  # during a step
+            time.sleep(0.05)
+            try:
+                with received.stopping_promptly():  # the stop's save
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.05)
+            except KeyboardInterrupt:
+                pytest.fail("the second Ctrl-C interrupted the stop's save")
+            assert received == ["SIGINT", "SIGINT"]
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGINT, previous)
