@@ -1,4 +1,4 @@
-"""A small ANDREA that trains in about an hour on 2 CPU cores (float32), on the Python standard
+"""A small ANDREA that trains in 10-60 minutes on 2 CPU cores (README, Quick start), on the Python standard
 library's own source (on every machine, no download), with the real 8449-entry
 BPE tokenizer."""
 
