@@ -161,8 +161,8 @@ def test_the_fineweb5b_recipe_is_muon_with_wsd_on_five_billion_tokens():
     tokens = c.steps * c.batch_size * c.seq_len
     assert tokens == pytest.approx(5.0e9, rel=0.001) and tokens <= c.data.stream_tokens
     o = c.optimizer
-    assert (o.name, o.learning_rate, o.decay, o.cooldown_shape) == ("muon", 3 * llmc.optimizer.learning_rate,
-                                                                    "wsd", "1-sqrt")
+    assert (o.name, o.decay, o.cooldown_shape) == ("muon", "wsd", "1-sqrt")
+    assert o.learning_rate == pytest.approx(6 * llmc.optimizer.learning_rate)  # the optimizer study's tiny rows
     assert o.cooldown_steps == round(0.2 * c.steps) and o.min_learning_rate_ratio == 0.1
     # The rest is llm.c's recipe: model, data, batch and evaluation side by side.
     assert c.data.source == llmc.data.source
