@@ -249,10 +249,10 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str, first_st
             f"(data.stream_val_documents for hf:), add text, or lower batch_size or seq_len")
     if new_tokenizer:  # saved once the data is known to train on: a refused run leaves none to reuse
         tokenizer.save(os.path.join(workdir, TOKENIZER_FILE))
-        kept = kept_bpe_path(config, splits, _bpe_merges(config)) if str(config.data.tokenizer) == "bpe" else ""
-        if kept and not os.path.exists(kept):  # for new workdirs; data.cache_dir is known writable by now
-            os.makedirs(os.path.dirname(kept), exist_ok=True)
-            tokenizer.save(kept)
+        kept_bpe = kept_bpe_path(config, splits, _bpe_merges(config)) if str(config.data.tokenizer) == "bpe" else ""
+        if kept_bpe and not os.path.exists(kept_bpe):  # for new workdirs; data.cache_dir is known writable by now
+            os.makedirs(os.path.dirname(kept_bpe), exist_ok=True)
+            tokenizer.save(kept_bpe)
     record = {"train_eras": {key: value for key, value in dataclasses.asdict(train).items() if key != "record_path"},
               "validation_directory": os.path.dirname(val.path),  # the workdir may move: no record_path
               "tokenizer_sha256": tokenizer.sha256, "source": splits.identity}
