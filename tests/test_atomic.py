@@ -155,3 +155,16 @@ def test_orbax_reports_of_a_full_disk_are_recognised(tmp_path):
     found = atomic.as_disk_full(wrapped)
     assert str(found).startswith(f"the disk is full: writing {tmp_path}/ckpt/8.orbax-checkpoint-tmp/d/0a1b (")
     assert atomic.as_disk_full(ValueError("RESOURCE_EXHAUSTED: out of memory allocating 8 GiB")) is None
+
+
+def test_a_write_reaches_the_disk_before_the_rename_and_the_rename_after(tmp_path, monkeypatch):
+    # Without the first fsync a crash can leave an empty file under the new name.
+    path, synced, fsync = tmp_path / "record.json", [], os.fsync
+
+    def recording_fsync(fd):  # which file, and whether the rename had happened
+        synced.append((os.fstat(fd).st_ino, os.path.exists(path)))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    atomic.write(path, "{}")
+    assert synced == [(os.stat(path).st_ino, False), (os.stat(tmp_path).st_ino, True)]

@@ -57,7 +57,7 @@ def writing(path: str) -> Iterator[None]:
 
 
 def write(path: str | os.PathLike, content: str | bytes, temporary_name: str | None = None) -> None:
-    """Writes `content` to a temporary file beside `path` (named per process), then renames it over `path`.
+    """Writes `content` to a temporary file beside `path` (named per process), syncs it, then renames it over `path`.
 
     `temporary_name`: the temporary file's name in the same directory, for directories whose readers
     take every file whose name resembles `path` (default: `path` + ".tmp<pid>"). On any failure the
@@ -67,8 +67,16 @@ def write(path: str | os.PathLike, content: str | bytes, temporary_name: str | N
     try:
         with writing(path), open(temporary, "wb") as f:
             f.write(content.encode("utf-8") if isinstance(content, str) else content)
+            f.flush()
+            os.fsync(f.fileno())  # else a crash can persist the rename before the content: an empty file
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(temporary)
         raise
     os.replace(temporary, path)
+    with contextlib.suppress(OSError):  # a filesystem that cannot sync a directory has made the rename all the same
+        directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself, so the new version is the one a crash leaves
+        finally:
+            os.close(directory)
