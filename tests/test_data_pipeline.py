@@ -98,6 +98,14 @@ def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path, capsys):
     assert len(os.listdir(tmp_path / "cache" / "tokenizers")) == 2
 
 
+def test_the_kept_bpe_is_keyed_by_the_recipe(tmp_path, monkeypatch):
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus', 2)}", tokenizer="bpe")
+    splits = pipeline.open_splits(config)
+    before = pipeline.kept_bpe_path(config, splits, 8192)
+    monkeypatch.setattr(tokenizers, "BPE_RECIPE_VERSION", tokenizers.BPE_RECIPE_VERSION + 1)
+    assert pipeline.kept_bpe_path(config, splits, 8192) != before
+
+
 def test_stdlib_source_with_byte_tokens(tmp_path):
     prepared = pipeline.prepare(make_config(tmp_path, "stdlib"), str(tmp_path / "run"))
     assert prepared.tokenizer.vocab_size == 257

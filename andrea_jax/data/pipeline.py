@@ -156,8 +156,9 @@ def training_sample(documents: Documents, max_bytes: int) -> list[str]:
 
 def kept_bpe_path(config: ml_collections.ConfigDict, splits: sources.Splits, merges: int) -> str:
     """Where a BPE trained on this source's training split is kept for every new workdir: keyed by what
-    training reads (the source identity, the merges, the sample's size), as a token cache is by what it holds."""
-    content = json.dumps({"identity": splits.identity, "merges": merges,
+    training reads (the source identity, the merges, the sample's size) and by the recipe's version, as a token
+    cache is by what it holds and by its format."""
+    content = json.dumps({"identity": splits.identity, "merges": merges, "recipe": tokenizers.BPE_RECIPE_VERSION,
                           "sample_bytes": int(config.data.tokenizer_train_bytes)}, sort_keys=True)
     key = hashlib.sha256(content.encode("utf-8")).hexdigest()[:20]
     return os.path.join(sources.cache_dir_of(config.data), "tokenizers", key, TOKENIZER_FILE)

@@ -21,6 +21,8 @@ from andrea_jax.data import DataError
 
 END_OF_TEXT = "<|endoftext|>"
 BPE_MERGES = 8192  # 256 byte tokens + 8192 merges + end-of-text = 8449
+# Raised when train_bpe, or the sample pipeline.training_sample draws for it, changes: it keys the kept BPE.
+BPE_RECIPE_VERSION = 1
 _OWN_FORMAT_KEY = "andrea_jax_tokenizer"  # marks the byte and char JSON files
 _REPLACEMENT = "\ufffd".encode("utf-8")
 
