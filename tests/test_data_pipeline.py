@@ -98,6 +98,22 @@ def test_local_directory_end_to_end_with_bpe_and_a_restart(tmp_path, capsys):
     assert len(os.listdir(tmp_path / "cache" / "tokenizers")) == 2
 
 
+@pytest.mark.parametrize("left", [b"", b'{"pre_tokenizer": {"type": "ByteLevel"}}'])
+def test_an_unreadable_kept_bpe_is_trained_again_and_replaced(tmp_path, capsys, left):
+    # A crash can leave the kept tokenizer.json empty or cut short: it is the cache's, not the user's.
+    config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus', 20)}", tokenizer="bpe")
+    config.data.tokenizer_train_bytes = 20_000
+    kept = pipeline.kept_bpe_path(config, pipeline.open_splits(config), 8192)
+    os.makedirs(os.path.dirname(kept))
+    with open(kept, "wb") as f:
+        f.write(left)
+    prepared = pipeline.prepare(config, str(tmp_path / "run"))
+    assert capsys.readouterr().out.splitlines()[:2] == [
+        f"the BPE tokenizer kept at {kept} is unreadable; training it again, to keep in its place",
+        "training the BPE tokenizer (8192 merges) on up to 0.02 MB of the training split"]
+    assert tokenizers.load(kept).sha256 == prepared.tokenizer.sha256
+
+
 def test_the_kept_bpe_is_keyed_by_the_recipe(tmp_path, monkeypatch):
     config = make_config(tmp_path, f"text:{make_corpus(tmp_path / 'corpus', 2)}", tokenizer="bpe")
     splits = pipeline.open_splits(config)

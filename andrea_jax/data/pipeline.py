@@ -9,6 +9,7 @@ how a failure on any process reaches the others, is `andrea_jax/runtime/leader_f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -180,8 +181,15 @@ def _new_tokenizer(config: ml_collections.ConfigDict, splits: sources.Splits) ->
         merges, max_bytes = _bpe_merges(config), int(config.data.tokenizer_train_bytes)
         kept = kept_bpe_path(config, splits, merges)
         if os.path.isfile(kept):
-            print(f"reusing the BPE tokenizer trained on this source before: {kept}", flush=True)
-            return tokenizers.load(kept)
+            try:
+                tokenizer = tokenizers.load(kept)
+                print(f"reusing the BPE tokenizer trained on this source before: {kept}", flush=True)
+                return tokenizer
+            except Exception:  # HF's loader raises bare Exceptions; a crash's leftover is the cache's, not the user's
+                print(f"the BPE tokenizer kept at {kept} is unreadable; training it again, to keep in its place",
+                      flush=True)
+                with contextlib.suppress(OSError):  # a run beside this one may have removed it first
+                    os.remove(kept)  # so that the leader keeps this run's once the data is known to train on
         print(f"training the BPE tokenizer ({merges} merges) on up to {max_bytes / 1e6:g} MB of the training split",
               flush=True)
         sample = training_sample(train, max_bytes)
