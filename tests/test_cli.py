@@ -122,6 +122,24 @@ def test_the_absent_tpu_check_degrades_to_jax_choosing_when_its_private_module_m
     assert asked == [("jax_platforms", platform) for platform in platforms]
 
 
+@pytest.mark.parametrize("chips, told", [(0, {"TPU_HOST_BOUNDS": "1,1,1", "TPU_WORKER_HOSTNAMES": "host-a"}),
+                                          (1, {"TPU_WORKER_HOSTNAMES": "host-a"})])
+def test_libtpu_is_told_it_is_a_one_host_slice_only_where_the_host_has_no_tpu_chip(chips, told, monkeypatch):
+    """A TPU host's libtpu finds its slice itself (a pod's workers among it); a name the user set is kept."""
+    import importlib.util
+    from jax._src import hardware_utils
+
+    for name in cli.LIBTPU_WITHOUT_A_TPU:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-a")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object() if name == "libtpu" else
+                        find_spec(name, *args))
+    monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (chips, None))
+    cli.quiet_libtpu_without_a_tpu()
+    assert {name: os.environ[name] for name in cli.LIBTPU_WITHOUT_A_TPU if name in os.environ} == told
+
+
 def test_a_command_on_a_host_without_a_tpu_does_not_start_libtpu():
     """With libtpu installed (for the TPU compile check) and no platform asked for, a CPU command's stderr
     holds none of libtpu's start-up errors."""

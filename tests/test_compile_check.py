@@ -128,6 +128,20 @@ def test_the_command_refuses_an_unknown_topology_with_one_line():
     assert len(errors) == 1 and "v5e-3" in errors[0] and "Traceback" not in result.stderr
 
 
+@needs_libtpu
+@pytest.mark.parametrize("platforms", ["cpu", None])
+def test_a_tpu_check_on_a_host_without_a_tpu_prints_none_of_libtpu_s_start_up_errors(platforms):
+    """libtpu loads for the compile-only v5e-1 before the config is found wrong: the error is all stderr holds,
+    with JAX_PLATFORMS=cpu or none asked for (as the README types the command)."""
+    env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS" and not key.startswith("TPU_")}
+    result = subprocess.run([sys.executable, "-m", "andrea_jax.compile.check", "--config", "configs/tiny.py",
+                             "--topology", "v5e-1", "--config.model.n_head=3"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120, env=dict(env, **({"JAX_PLATFORMS": platforms} if platforms else {})))
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("error: model.n_head=3 does not divide"), lines[0]
+
+
 @needs_cuda_plugin
 @pytest.mark.parametrize("gpu", ["t4", "l4", "a100_40gb", "a100_80gb", "h100"])
 def test_andrea120m_as_typed_fits_each_colab_gpu_by_itself(gpu):

@@ -15,6 +15,7 @@ import pathlib
 import re
 from andrea_jax import flops
 from andrea_jax.config import ConfigError
+from andrea_jax.runtime import cli
 
 GIB = 2 ** 30
 GPU_TARGETS_DIR = pathlib.Path(__file__).parent / "gpu_targets"
@@ -120,6 +121,7 @@ def tpu(name: str) -> Target:
     # libtpu lets one process at a time hold it (a lock file in /tmp), for the chips' sake; compiling
     # for chips that are not here takes none, so two checks (or a check beside tests) may run at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    cli.quiet_libtpu_without_a_tpu()  # for callers that do not start at cli.run: the tests, a notebook
     shape = _torus(chips, 3 if megacore else 2)
     single_host = chips <= (4 if megacore else 8)
     host_bounds = tuple(shape) + (1,) * (3 - len(shape)) if single_host else (2, 2, 1)

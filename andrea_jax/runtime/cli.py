@@ -27,6 +27,7 @@ def run(main: Callable[[], None], join_cluster: bool = True, verbosity: int = lo
     from andrea_jax.runtime import atomic, distributed, host_memory
 
     host_memory.keep_freed_memory()
+    quiet_libtpu_without_a_tpu()
     _leave_out_an_absent_tpu()
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(verbosity)  # library INFO chatter hides the progress bar and the results
@@ -44,23 +45,43 @@ def run(main: Callable[[], None], join_cluster: bool = True, verbosity: int = lo
         sys.exit(2)
 
 
+# At start-up libtpu asks the cloud's metadata server for its slice's hosts and workers, and where there is
+# none (a host without a TPU chip: the compile check's compile-only TPUs, JAX trying each installed plugin)
+# prints half a dozen lines of errors, before its logging is set up: TPU_MIN_LOG_LEVEL, TPU_STDERR_LOG_LEVEL and
+# TF_CPP_MIN_LOG_LEVEL leave them. Told it is a one-host slice it asks nothing; a compile-only topology names
+# its own hosts, and compiles the same.
+LIBTPU_WITHOUT_A_TPU = {"TPU_HOST_BOUNDS": "1,1,1", "TPU_WORKER_HOSTNAMES": "localhost"}
+
+
+def quiet_libtpu_without_a_tpu() -> None:
+    """Tells libtpu what it would ask for, where it is installed and the host has no TPU chip; a variable
+    already set is kept. Before libtpu loads: it reads them once."""
+    if importlib.util.find_spec("libtpu") is not None and _tpu_chips() == 0:
+        for name, value in LIBTPU_WITHOUT_A_TPU.items():
+            os.environ.setdefault(name, value)
+
+
+def _tpu_chips() -> int | None:
+    """This host's TPU chips by the check JAX's own TPU start-up makes, or None where JAX has moved it."""
+    try:  # JAX has no public check, and may move this one
+        from jax._src import hardware_utils
+
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+    except (ImportError, AttributeError, TypeError, IndexError, OSError):
+        return None
+
+
 def _leave_out_an_absent_tpu() -> None:
-    """libtpu (installed for the TPU compile check) starts whenever JAX picks the platforms itself, and on a
-    host without a TPU prints half a dozen lines of start-up errors. Where no platform was asked for, the
-    host has no TPU chip and no other accelerator's plugin is installed, the CPU is all there is: ask for it."""
+    """libtpu (installed for the TPU compile check) starts whenever JAX picks the platforms itself, on a host
+    without a TPU chip for nothing. Where no platform was asked for, the host has no TPU chip and no other
+    accelerator's plugin is installed, the CPU is all there is: ask for it."""
     if (os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_FORCE_TPU_INIT")
             or importlib.util.find_spec("libtpu") is None
             or importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")):
         return
     import jax
 
-    try:  # the check JAX's own TPU start-up makes; JAX has no public one, and may move this
-        from jax._src import hardware_utils
-
-        tpu_chips = hardware_utils.num_available_tpu_chips_and_device_id()[0]
-    except (ImportError, AttributeError, TypeError, IndexError, OSError):
-        return  # JAX picks the platforms itself, as it does where libtpu is not installed
-    if tpu_chips == 0:
+    if _tpu_chips() == 0:  # where JAX moved its check, JAX picks the platforms itself, as without libtpu
         jax.config.update("jax_platforms", "cpu")
 
 
