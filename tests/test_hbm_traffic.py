@@ -71,6 +71,41 @@ def test_a_loop_without_a_known_trip_count_runs_to_its_condition_bound():
     assert hbm_traffic.count(unknown)["MLP"] == 2 * 4 * 8 * 2  # no bound to read: counted once
 
 
+# A float16 step's skip-or-apply: the update branch runs two fusions, the skip branch one negation.
+CONDITIONAL = """HloModule step
+
+%fused_gelu (p: bf16[4,8]) -> bf16[4,8] {
+  %p = bf16[4,8]{1,0} parameter(0)
+  ROOT %t = bf16[4,8]{1,0} tanh(%p)
+}
+
+%apply (p: bf16[4,8]) -> bf16[4,8] {
+  %p = bf16[4,8]{1,0} parameter(0)
+  %update = bf16[4,8]{1,0} fusion(%p), kind=kLoop, calls=%fused_gelu, metadata={op_name="jit(step)/adamw/mul"}
+  ROOT %update2 = bf16[4,8]{1,0} fusion(%update), kind=kLoop, calls=%fused_gelu, metadata={op_name="jit(step)/adamw/add"}
+}
+
+%skip (p: bf16[4,8]) -> bf16[4,8] {
+  %p = bf16[4,8]{1,0} parameter(0)
+  ROOT %neg = bf16[4,8]{1,0} negate(%p), metadata={op_name="jit(step)/adamw/neg"}
+}
+
+ENTRY %main (x: bf16[4,8], finite: pred[]) -> bf16[4,8] {
+  %x = bf16[4,8]{1,0} parameter(0)
+  %finite = pred[] parameter(1)
+  ROOT %conditional = bf16[4,8]{1,0} conditional(%finite, %x, %x), true_computation=%apply, false_computation=%skip
+}
+"""
+
+
+def test_a_conditional_counts_its_costliest_branch_once():
+    block = 4 * 8 * 2
+    assert hbm_traffic.count(CONDITIONAL) == {"optimizer": 2 * 2 * block}  # the update's two fusions, not the skip
+    indexed = CONDITIONAL.replace("pred[] parameter(1)", "s32[] parameter(1)").replace(
+        "true_computation=%apply, false_computation=%skip", "branch_computations={%skip, %apply}")
+    assert hbm_traffic.count(indexed) == {"optimizer": 2 * 2 * block}
+
+
 def test_a_compiled_step_is_charged_to_the_parts_of_the_model():
     from tests.test_model import params_like_init, small_model
     from andrea_jax import model

@@ -3,6 +3,7 @@
 import pytest
 
 from andrea_jax.compile import hbm_traffic, kernel_time, targets
+from tests import test_hbm_traffic
 
 # A large bf16 product (Triton's GEMM fusion), a small float32 one in a loop of 5 trips, causal cuDNN
 # attention forward and backward, a reduction fusion and a layout copy.
@@ -132,3 +133,40 @@ def test_a_tpu_s_convolution_is_counted_as_the_product_it_stands_for():
     wgrad = hbm_traffic.Instruction("convolution.2", "convolution", "bf16[1,16,4]{2,1,0}", ("a", "w"),
                                     ", window={size=32}, dim_labels=0bf_0io->0bf", "")
     assert kernel_time.convolution_flops(wgrad, shapes) == 2 * 16 * 4 * 8 * 32
+
+
+def test_splash_s_backward_kernel_is_costed_as_a_backward():
+    """On a TPU the splash kernels are custom calls named by their phase; the forward's serialized body may
+    hold any letters, so only names and targets tell a backward."""
+    module = """HloModule step
+
+ENTRY %main (q: bf16[2,12,1024,64]) -> bf16[2,12,1024,64] {
+  %q = bf16[2,12,1024,64]{3,2,1,0} parameter(0)
+  %splash_mha_fwd_no_residuals.1 = bf16[2,12,1024,64]{3,2,1,0} custom-call(%q, %q, %q), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "TUxJUmdkkvDq"}}
+  ROOT %splash_mha_dkv_no_residuals.1 = (bf16[2,12,1024,64]{3,2,1,0}, bf16[2,12,1024,64]{3,2,1,0}) custom-call(%q, %q, %q), custom_call_target="tpu_custom_call"
+}
+"""
+    by_name = {k.name: k for k in kernel_time.estimate(module, RATES, (0.6, 0.9), attention_fill=0.5).kernels}
+    forward = 4 * 2 * 12 * 1024 * 1024 * 64
+    assert by_name["splash_mha_fwd_no_residuals.1"].flops == forward * 0.6
+    dkv = by_name["splash_mha_dkv_no_residuals.1"]
+    assert dkv.flops == forward * 2.5 * 0.9 and dkv.seconds == pytest.approx(dkv.flops / (250e12 * 0.5))
+    assert kernel_time.BACKWARD.search("splash_mha_dq_no_residuals.2")
+    assert not kernel_time.BACKWARD.search("splash_mha_fwd_no_residuals.2")
+
+
+def test_a_conditional_s_costliest_branch_runs_once():
+    kernels = kernel_time.estimate(test_hbm_traffic.CONDITIONAL, RATES).kernels
+    assert [(k.name, k.times) for k in kernels] == [("update", 1), ("update2", 1)]
+    assert sum(k.bytes for k in kernels) == sum(hbm_traffic.count(test_hbm_traffic.CONDITIONAL).values())
+
+
+def test_the_estimate_s_copies_are_the_bytes_table_s_layout_copies():
+    """A TPU names a fused transpose `fusion.N`: its contents, not its name, make it a layout copy."""
+    module = test_hbm_traffic.MODULE.replace("%yt =", "%fusion.7 =")
+    computations, _ = hbm_traffic.parse(module)
+    parts = {i.name: hbm_traffic.part_of(i, computations) for body in computations.values() for i in body}
+    kinds = {k.name: k.kind for k in kernel_time.estimate(module, RATES).kernels}
+    assert kinds["fusion.7"] == "copies"
+    assert {name for name, kind in kinds.items() if kind == "copies"} == {
+        name for name in kinds if parts[name] == "layout copies"}

@@ -20,8 +20,9 @@ from typing import Iterator
 ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
 # `%name = shape opcode(operands), attributes`; a tuple's shape is in parentheses, and no " word(" is inside it.
 INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w\-]+)\((.*)$")
+# Instructions that move nothing themselves; a while, call or conditional's traffic is its called computations'.
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
-        "replica-id", "opt-barrier"}
+        "replica-id", "opt-barrier", "while", "call", "conditional"}
 LAYOUT_OPS = {"copy", "transpose"}
 PARTS = ("attention", "MLP", "norms", "embeddings, logits and loss", "optimizer", "layout copies", "other")
 
@@ -78,7 +79,7 @@ def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
 
 def part_of(instruction: Instruction, computations: dict[str, list[Instruction]]) -> str:
     """The part of the model an instruction belongs to, by its opcode and source path."""
-    if instruction.opcode in LAYOUT_OPS or _fused_root(instruction, computations) in LAYOUT_OPS:
+    if is_layout_copy(instruction, computations):
         return "layout copies"
     path = instruction.op_name
     if "/attn/" in path:
@@ -94,23 +95,31 @@ def part_of(instruction: Instruction, computations: dict[str, list[Instruction]]
     return "other"
 
 
+def called(instruction: Instruction, attribute: str) -> list[str]:
+    """The computations `instruction` names by the attributes `attribute` (a pattern) matches: `calls=%f`,
+    `branch_computations={%a, %b}`."""
+    named = re.findall(rf"\b(?:{attribute})=(%[\w.\-]+|\{{[^}}]*\}})", instruction.attributes)
+    return re.findall(r"%([\w.\-]+)", " ".join(named))
+
+
 def _called_root(instruction: Instruction, attribute: str,
                  computations: dict[str, list[Instruction]]) -> tuple[Instruction | None, dict[str, Instruction]]:
     """The root of the computation `instruction` names by `attribute` (calls=, condition=), and that
     computation's instructions by name; (None, {}) where it names none."""
-    called = re.search(rf"{attribute}=%([\w.\-]+)", instruction.attributes)
-    body = computations.get(called.group(1), []) if called else []
+    body = computations.get((called(instruction, attribute) or [""])[0], [])
     return (body[-1] if body else None), {i.name: i for i in body}
 
 
-def _fused_root(instruction: Instruction, computations: dict[str, list[Instruction]]) -> str | None:
-    """The opcode a fusion ends in, looking through bitcasts (a fused transpose is a layout copy)."""
+def is_layout_copy(instruction: Instruction, computations: dict[str, list[Instruction]]) -> bool:
+    """Whether an instruction only lays data out anew: a copy, a transpose, or a fusion that ends in one,
+    looking through bitcasts (a TPU's fused transpose is named `fusion.N`, so its contents, not its name,
+    tell). The bytes table and the kernel-time estimate both classify by this."""
     if instruction.opcode != "fusion":
-        return None
+        return instruction.opcode in LAYOUT_OPS
     root, by_name = _called_root(instruction, "calls", computations)
     while root is not None and root.opcode == "bitcast" and root.operands:
         root = by_name.get(root.operands[0])
-    return root.opcode if root else None
+    return root is not None and root.opcode in LAYOUT_OPS
 
 
 def trip_count(loop: Instruction, computations: dict[str, list[Instruction]]) -> int:
@@ -129,7 +138,8 @@ def trip_count(loop: Instruction, computations: dict[str, list[Instruction]]) ->
 
 def bodies(computations: dict[str, list[Instruction]], entry: str) -> Iterator[tuple[list[Instruction], int]]:
     """Each computation a run of the program executes, with how many times: the entry once, a `while` body its
-    trip count times its caller's, a `call`'s once its caller's."""
+    trip count times its caller's, a `call`'s once its caller's, a `conditional`'s costliest branch once its
+    caller's."""
     pending = [(entry, 1)]
     while pending:
         name, times = pending.pop()
@@ -138,9 +148,19 @@ def bodies(computations: dict[str, list[Instruction]], entry: str) -> Iterator[t
         for instruction in body:
             if instruction.opcode in ("while", "call"):
                 trips = trip_count(instruction, computations) if instruction.opcode == "while" else 1
-                key = "body" if instruction.opcode == "while" else "to_apply"
-                pending += [(called, times * trips)
-                            for called in re.findall(rf"{key}=%([\w.\-]+)", instruction.attributes)]
+                pending += [(computation, times * trips) for computation in called(instruction, "body|to_apply")]
+            elif instruction.opcode == "conditional":
+                # One branch runs, which one only the run knows (a float16 step applies its update or skips
+                # it): the costliest in bytes counts, a step the run can take. The bytes table and the
+                # estimate both walk this, so they count the same branch.
+                branches = called(instruction, r"\w+_computations?")  # true/false_, or branch_computations
+                pending.append((max(branches, key=lambda branch: _bytes_of(computations, branch)), times))
+
+
+def _bytes_of(computations: dict[str, list[Instruction]], name: str) -> float:
+    """Device-memory bytes one run of computation `name` moves, with what it calls."""
+    return sum(times * moved_bytes(i, {j.name: j.output for j in body})
+               for body, times in bodies(computations, name) for i in body if i.opcode not in FREE)
 
 
 def moved_bytes(instruction: Instruction, shapes: dict[str, str]) -> float:
@@ -179,6 +199,6 @@ def count(hlo_text: str) -> dict[str, float]:
                 parts[instruction.name] = next((parts[u] for u in users[instruction.name] if parts[u] != "other"),
                                                "other")
         for instruction in body:
-            if instruction.opcode not in FREE and instruction.opcode not in ("while", "call"):
+            if instruction.opcode not in FREE:
                 by_part[parts[instruction.name]] += times * moved_bytes(instruction, shapes)
     return {part: by_part[part] for part in PARTS if by_part[part]}

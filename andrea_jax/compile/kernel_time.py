@@ -25,6 +25,9 @@ KINDS = ("matrix products", "attention", "other fusions", "copies")
 TILE = 128  # the side of an output tile a core works on (cuBLAS's and Triton's common 128 × 128)
 MIN_SPLIT_K = 512  # the shortest piece of K a split leaves a core
 DTYPE_RATES = {"bf16": "16-bit", "f16": "16-bit", "f32": "float32"}  # a product's inputs -> its rate
+# An attention kernel's backward by its name or target: cuDNN's fmha...Backward, splash's splash_mha_dkv_... (which
+# computes dq too, as attention.py runs it) and splash_mha_dq_..., the older Pallas flash_attention_bwd_....
+BACKWARD = re.compile(r"backward|bwd|grad|(?<![a-z])(?:dkv|dq)(?![a-z])", re.I)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +69,21 @@ class MissingRate(ValueError):
     """The target has no rate for a kind of kernel the program runs."""
 
 
-def kind_of(name: str, opcode: str, custom_target: str, fused_dot: bool) -> str:
-    """A kernel's kind as a profiler's trace names it (bench/trace_step.py sums by the same kinds)."""
-    if re.search(r"cudnn\$fmha|fmha|flash|splash|attention", custom_target + " " + name, re.I):
+def _custom_target(instruction: hbm_traffic.Instruction) -> str:
+    found = re.search(r'custom_call_target="([^"]+)"', instruction.attributes)
+    return found.group(1) if found else ""
+
+
+def kind_of(instruction: hbm_traffic.Instruction, computations: dict[str, list[hbm_traffic.Instruction]],
+            fused_dot: bool) -> str:
+    """A kernel's kind as a profiler's trace names it (bench/trace_step.py sums by the same kinds); its layout
+    copies are the bytes table's (`hbm_traffic.is_layout_copy`)."""
+    target = _custom_target(instruction)
+    if re.search(r"cudnn\$fmha|fmha|flash|splash|attention", target + " " + instruction.name, re.I):
         return "attention"
-    if fused_dot or opcode in ("dot", "convolution") or re.search(r"cublas|gemm|matmul", custom_target, re.I):
+    if fused_dot or instruction.opcode in ("dot", "convolution") or re.search(r"cublas|gemm|matmul", target, re.I):
         return "matrix products"
-    if opcode in hbm_traffic.LAYOUT_OPS or re.search(r"copy|transpose", name):
+    if hbm_traffic.is_layout_copy(instruction, computations):
         return "copies"
     return "other fusions"
 
@@ -121,7 +132,7 @@ def attention_flops(call: hbm_traffic.Instruction, shapes: dict[str, str], share
     batch, width = q[0], q[-1]
     heads, q_len = sorted(q[1:3])
     forward = 4 * batch * heads * q_len * max(key[1:3]) * width
-    backward = "backward" in call.attributes.lower() or re.search(r"bwd|backward", call.name) is not None
+    backward = BACKWARD.search(call.name + " " + _custom_target(call)) is not None
     return forward * 2.5 * shares[1] if backward else forward * shares[0]
 
 
@@ -159,8 +170,7 @@ def estimate(hlo_text: str, rates, attention_shares: tuple[float, float] = (0.5,
         shapes = {i.name: i.output for i in body}
         for instruction in body:
             # An asynchronous copy or slice (a TPU's prefetch into on-chip memory) runs beside the kernels.
-            if (instruction.opcode in hbm_traffic.FREE or instruction.opcode in ("while", "call")
-                    or instruction.opcode.endswith(("-start", "-done"))):
+            if instruction.opcode in hbm_traffic.FREE or instruction.opcode.endswith(("-start", "-done")):
                 continue
             kernels.append(_kernel(instruction, shapes, computations, rates, times, attention_shares,
                                    attention_fill))
@@ -170,15 +180,10 @@ def estimate(hlo_text: str, rates, attention_shares: tuple[float, float] = (0.5,
 
 
 def _kernel(instruction, shapes, computations, rates, times, attention_shares, attention_fill) -> Kernel:
-    custom_target = re.search(r'custom_call_target="([^"]+)"', instruction.attributes)
-    custom_target = custom_target.group(1) if custom_target else ""
-    fused = []
-    if instruction.opcode == "fusion":
-        called = re.search(r"calls=%([\w.\-]+)", instruction.attributes)
-        fused = computations.get(called.group(1), []) if called else []
+    fused = computations.get((hbm_traffic.called(instruction, "calls") or [""])[0], [])
     dots = [i for i in fused if i.opcode in ("dot", "convolution")]
     operand_shapes = {i.name: i.output for i in fused}  # the dots' operands are the fused computation's values
-    kind = kind_of(instruction.name, instruction.opcode, custom_target, bool(dots))
+    kind = kind_of(instruction, computations, bool(dots))
     if kind == "matrix products" and not dots:  # a dot, or a cuBLAS call with the dot's dimension numbers
         dots, operand_shapes = [instruction], shapes
     flops, compute_seconds = 0.0, 0.0
