@@ -163,6 +163,10 @@ class Checkpointer:
     def wait(self) -> None:
         self._manager.wait_until_finished()
 
+    def saving(self) -> bool:
+        """Whether a save is being written (a stop at once would lose it)."""
+        return self._manager.is_saving_in_progress()
+
     def close(self) -> None:
         """Waits for the last async save, then releases the manager (call in a finally)."""
         self._manager.wait_until_finished()

@@ -39,6 +39,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Peak FLOP/s of one device for MFU when it is not in the known table
     # (0 = the table's peak; CPUs have none in it, so no MFU is recorded for them).
     c.peak_flops = 0.0
+    # A workdir whose newest checkpoint's parameters a new run starts from (its optimizer state and step start
+    # anew): how a run continues with a change a resume refuses (run_dir.RESUMABLE); "" = a fresh init.
+    c.init_params_from = ""
     # Per-block gradient norms, sub-layer delta ratios and stream norms among the
     # train step's metrics (keys "diag/..."); a few reductions a step.
     c.diagnostics = False

@@ -60,7 +60,7 @@ def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step:
     if config is None:
         config = run_config(workdir)
     elif os.path.exists(os.path.join(workdir, run_dir.CONFIG_FILE)):  # another config must build the run's model
-        run_dir.check_compatible(run_dir.load_saved_config(workdir), config, workdir)
+        run_dir.check_compatible(run_dir.load_saved_config(workdir), config, workdir, only="model.")
     tokenizer_path = os.path.join(workdir, pipeline.TOKENIZER_FILE)
     if not os.path.isfile(tokenizer_path):
         raise EvalError(_without_tokenizer(workdir))

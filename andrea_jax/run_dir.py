@@ -6,14 +6,15 @@ directory that holds something else, stops with one line before anything in it i
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import tempfile
 import time
+import uuid
 
 import ml_collections
 
@@ -22,12 +23,10 @@ from andrea_jax.config import ConfigError, base_config
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = "run.lock"  # held by the training run's process 0 for the run's whole life
+IDENTITY_FILE = "run.json"  # {"id": the run's identity, "start": this start's token, "previous": the last one's}
 PROJECT = "andrea-jax"
 # Attention kernels this version replaced, as a saved config names them: what each one reads as now.
 RENAMED_ATTENTION = {"flash": "splash", "dot_product": "auto"}
-# Keys that decide the shapes or layout of the saved params.
-SHAPE_KEYS = ("n_layer", "d_model", "n_head", "mlp_dim", "vocab_size", "vocab_pad_multiple", "max_len",
-              "scan_layers", "norm_position", "residual", "activation", "mlp_ratio")
 
 
 def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
@@ -60,20 +59,50 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
     return config
 
 
-def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict, workdir: str) -> None:
-    """The new config must build the same model and optimizer state as the saved one (other keys may change).
+# What a resume may change (docs/lifecycle.md, "Resume"): how long and how fast it trains, what it logs and
+# when, how it computes and where its caches live. Any other key decides what the run reads or is, and a change
+# of it is a new run.
+RESUMABLE = (
+    "steps", "optimizer.learning_rate", "optimizer.warmup_steps", "optimizer.decay", "optimizer.cooldown_steps",
+    "optimizer.cooldown_shape", "optimizer.min_learning_rate_ratio", "optimizer.muon_ns_dtype",
+    "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "peak_flops",
+    "diagnostics", "profile_steps", "wandb.", "hellaswag.", "microbatches", "model.remat", "model.dtype",
+    "model.attention", "mesh.", "logical_axis_rules", "data.stream_tokens", "data.keep_eras", "data.cache_dir",
+    "data.tfds_data_dir", "init_params_from")
 
-    A saved model.vocab_size=0 is a run stopped before it knew its tokenizer: its tokenizer.json decides.
-    """
-    for key in SHAPE_KEYS:
-        old, new = saved.model[key], config.model[key]
-        if old != new and not (key == "vocab_size" and 0 in (old, new)):
-            raise ConfigError(f"{workdir} holds a run with model.{key}={old}, not {new}; "
-                              f"pass --config.model.{key}={old}, or use a new --workdir")
-    if saved.optimizer.name != config.optimizer.name:  # the checkpoints' optimizer state has another tree
-        raise ConfigError(f"{workdir} holds a run trained with optimizer.name={saved.optimizer.name!r}, whose "
-                          f"optimizer state {config.optimizer.name!r} cannot take; pass "
-                          f"--config.optimizer.name={saved.optimizer.name}, or use a new --workdir")
+
+def _flat(config: ml_collections.ConfigDict) -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            flat.update({f"{key}.{inner}": leaf for inner, leaf in _flat(value).items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict, workdir: str,
+                     only: str = "") -> None:
+    """Refuses, in one line naming the key, a resume that changes a key outside `RESUMABLE` (model.vocab_size=0,
+    "take the tokenizer's size", matches any); `only`: the keys under this prefix (evaluation: "model.")."""
+    old, new = _flat(saved), _flat(config)
+    for key, value in new.items():
+        if not key.startswith(only) or key.startswith(RESUMABLE) or key not in old or _same(old[key], value):
+            continue
+        if key == "model.vocab_size" and 0 in (old[key], value):
+            continue
+        raise ConfigError(f"{workdir} holds a run with {key}={old[key]!r}, which a resume cannot change to "
+                          f"{value!r}; pass --config.{key}={_flag_value(old[key])} to resume it, or start a new "
+                          f"--workdir from its checkpoint with --config.init_params_from={workdir}")
+
+
+def _same(old, new) -> bool:
+    as_list = lambda value: [as_list(item) for item in value] if isinstance(value, (list, tuple)) else value
+    return as_list(old) == as_list(new)
+
+
+def _flag_value(value) -> str:
+    return f"'{value}'" if isinstance(value, str) else str(value)
 
 
 def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
@@ -106,21 +135,17 @@ def _unusable(error: OSError, setting: str, fix: str) -> ConfigError:
 
 def hold(workdir: str) -> int:
     """Takes the run's lock on `workdir`, or raises ConfigError naming the process that holds it (or saying
-    that the directory is not writable, or DiskFull); a refused run leaves no directory or lock file it made.
+    that the directory is not writable, or DiskFull). A refused run removes nothing: the directory and the
+    lock file are then the holder's (two runs starting at once on a new workdir both make them).
 
     The lock is an flock on `run.lock`: the kernel drops it when its holder exits, even by kill -9 or a lost
     machine, so a dead run never blocks the next. Returns the descriptor to keep open for the run's life.
     """
     path = os.path.join(workdir, LOCK_FILE)
-    made = _missing(path)
-    try:
-        # A directory the run cannot write to stops here, before it holds anything.
-        require_writable(workdir, f"--workdir {workdir}", "use another --workdir")
-        with atomic.writing(path):
-            return _lock_run(path, workdir)
-    except BaseException:
-        _remove(made)
-        raise
+    # A directory the run cannot write to stops here, before it holds anything.
+    require_writable(workdir, f"--workdir {workdir}", "use another --workdir")
+    with atomic.writing(path):
+        return _lock_run(path, workdir)
 
 
 def _lock_run(path: str, workdir: str) -> int:
@@ -140,25 +165,6 @@ def _lock_run(path: str, workdir: str) -> int:
             raise
         raise ConfigError(f"--workdir {workdir} is on a file system without file locks ({error.strerror}), which "
                           f"keep two runs apart; use a local disk or NFS") from None
-
-
-def _missing(path: str) -> list[str]:
-    """`path` and the directories above it that do not exist, deepest first."""
-    missing, path = [], os.path.abspath(path)
-    while not os.path.lexists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing
-
-
-def _remove(paths: list[str]) -> None:
-    """Removes what a refused run made, deepest first; a directory something else has written in stays."""
-    for path in paths:
-        with contextlib.suppress(OSError):
-            if os.path.isdir(path) and not os.path.islink(path):
-                os.rmdir(path)
-            else:
-                os.remove(path)
 
 
 class Held(Exception):
@@ -185,3 +191,61 @@ def lock(descriptor: int, about: str = "") -> int:
         os.close(descriptor)
         raise
     return descriptor
+
+
+def identity(workdir: str) -> str | None:
+    """The id of the run in `workdir` (`claim_identity`), None before a run has claimed one."""
+    return _read_json(os.path.join(workdir, IDENTITY_FILE)).get("id")
+
+
+def claim_identity(workdir: str, cache_dir: str) -> tuple[str, int | None]:
+    """(the run's id, the descriptor holding it for the run's life) (docs/lifecycle.md, "Identity").
+
+    The id is claimed in `<cache_dir>/runs/<id>.lock`, an flock whose text says which start claimed it last
+    (a token) and from which directory (host, device, inode). Another live run holding it, a token this
+    workdir did not write, or another directory on this host means that another workdir runs as this id (a
+    copy, or the original of one): this one takes a new id. A cache without the lock (another machine's, a
+    cleared one) keeps the id, and so does a workdir renamed: a workdir moved or resumed elsewhere is the run."""
+    path = os.path.join(workdir, IDENTITY_FILE)
+    record = _read_json(path)
+    run_id = record.get("id") or _read_json(os.path.join(workdir, "eras.json")).get("run") or uuid.uuid4().hex[:12]
+    ours, token = {record.get("start"), record.get("previous")} - {None}, uuid.uuid4().hex[:12]
+    # Written first: a kill before the lock is rewritten leaves a token the next start accepts.
+    atomic.write(path, json.dumps({"id": run_id, "start": token, "previous": record.get("start")}))
+    descriptor, claimed_by = _claim(cache_dir, run_id, token, ours, workdir)
+    if claimed_by is not None:
+        copied, run_id = run_id, uuid.uuid4().hex[:12]
+        print(f"{workdir} is a copy, or the original of one: its run {copied} is {claimed_by}; it becomes run "
+              f"{run_id}, with eras and a W&B run of its own", flush=True)
+        atomic.write(path, json.dumps({"id": run_id, "start": token, "previous": None}))
+        descriptor, _ = _claim(cache_dir, run_id, token, set(), workdir)
+    return run_id, descriptor
+
+
+def _claim(cache_dir: str, run_id: str, token: str, ours: set, workdir: str) -> tuple[int | None, str | None]:
+    """(the descriptor of the id's lock, what else claimed the id: None if nothing did)."""
+    status = os.stat(workdir)
+    here = f"{socket.gethostname()}:{status.st_dev}:{status.st_ino}"
+    try:
+        os.makedirs(os.path.join(cache_dir, "runs"), exist_ok=True)
+        descriptor = os.open(os.path.join(cache_dir, "runs", f"{run_id}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        last = re.search(r"start (\w+) in ((\S+):\d+:\d+)$", os.pread(descriptor, 400, 0).decode("utf-8", "replace"))
+        descriptor = lock(descriptor, f", start {token} in {here}")
+    except Held as held:
+        return None, f"held by a live run ({held})"
+    except OSError:  # a cache the run cannot lock in: the id is kept, unguarded (its data work says what fails)
+        return None, None
+    # The inode tells a copy from its original on this host only: on another it may be another disk's.
+    another_directory = last is not None and last.group(3) == socket.gethostname() and last.group(2) != here
+    if last is not None and (last.group(1) not in ours or another_directory):
+        os.close(descriptor)
+        return None, "claimed by another workdir since this one last ran"
+    return descriptor, None
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}

@@ -10,12 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
-import sys
-import threading
 import time
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -25,18 +22,19 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from andrea_jax import (UserError, checkpoint, evaluate, fit, flops, loss_scale, metrics, optimizer, resolve, run_dir,
-                        sharding, trace, train_step)
+                        sharding, trace, train_step, wandb_mirror)
 from andrea_jax.tools import hellaswag, parameter_table
 from andrea_jax.config import validate
-from andrea_jax.data import batcher, eras, pipeline
+from andrea_jax.data import batcher, eras, pipeline, sources
 from andrea_jax.data import tokenizer as tokenizers
-from andrea_jax.data.encoder import Encoder, hold as hold_eras
+from andrea_jax.data.encoder import Encoder
+from andrea_jax.runtime import stop
 from andrea_jax.runtime.leader_first import leader_first
 
 
 # All a run writes before its first step: a new workdir holding no more has nothing to keep.
-_START_UP_FILES = {run_dir.CONFIG_FILE, run_dir.LOCK_FILE, pipeline.TOKENIZER_FILE, pipeline.RECORD_FILE,
-                   eras.RECORD_FILE, eras.POSITION_FILE}
+_START_UP_FILES = {run_dir.CONFIG_FILE, run_dir.LOCK_FILE, run_dir.IDENTITY_FILE, pipeline.TOKENIZER_FILE,
+                   pipeline.RECORD_FILE, eras.RECORD_FILE, eras.POSITION_FILE}
 
 
 # The record of the first HellaSwag score at or above GPT-2 124M's (its value); with it "target/tokens" and
@@ -48,100 +46,42 @@ class TrainingStopped(UserError):
     """The run stopped on purpose (non-finite loss); the message says what to do."""
 
 
-class _StopRequests(list):
-    """The names of the stop signals received, in order; `stopping_promptly()` marks where the loop needs nothing
-    more to stop."""
-
-    stopping_promptly: Callable[[], contextlib.AbstractContextManager]
-
-
-@contextlib.contextmanager
-def _stop_signals() -> Iterator[_StopRequests]:
-    """Remembers SIGTERM/SIGINT (their names, in the list it yields) so the loop can finish the step and save first.
-
-    A second Ctrl-C stops at once, except within `stopping_promptly()` (the loop waits for a batch, which a stop
-    request ends at once, or saves the checkpoint the stop asked for, until it is written): it is one more request
-    there, so that it cannot lose that checkpoint. A signal the process was started ignoring (Ctrl-C in a job a
-    script put in the background) stays ignored, as it is before the first step, where Python leaves it so."""
-    received = _StopRequests()
-    previous = {}
-    prompt = [False]
-    at_once = lambda: signal.signal(signal.SIGINT, previous.get(signal.SIGINT, signal.default_int_handler))
-
-    def remember(signum, frame):
-        # Only a note: printing here could re-enter a write the progress bar is in the middle of.
-        received.append(signal.Signals(signum).name)
-        if not prompt[0]:
-            at_once()
-
-    @contextlib.contextmanager
-    def stopping_promptly():
-        prompt[0] = True
-        if received and signal.SIGINT in previous:  # re-armed by a Ctrl-C during a step: only noted here
-            signal.signal(signal.SIGINT, remember)
-        try:
-            yield
-        except BaseException:  # the loop stops (a stop request ended the wait): a Ctrl-C until its save is noted
-            prompt[0] = False
-            raise
-        prompt[0] = False
-        if received and signal.SIGINT in previous:  # as `remember` would have
-            at_once()
-
-    received.stopping_promptly = stopping_promptly
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        if signal.getsignal(sig) == signal.SIG_IGN:
-            continue
-        try:
-            previous[sig] = signal.signal(sig, remember)
-        except ValueError:  # not the main thread: signals stay with the caller
-            pass
-    try:
-        yield received
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, held: contextlib.ExitStack,
-                first_step_started: Callable[[], bool], device: Any = None
+                request: stop.StopRequest, device: Any = None
                 ) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
-    """Checks the workdir, prepares the data, fills in the tokenizer's vocabulary size and what
-    "auto" stands for on `device` (`resolve.for_devices`; config validated). Returns (prepared data,
-    config, the config the workdir's run was started with or None); the leader's lock on the workdir
-    is released with `held`, and a workdir it creates is removed again by a failure before
-    `first_step_started()`."""
+    """Checks the workdir, takes it and the run's identity (docs/lifecycle.md), prepares the data, fills in the
+    tokenizer's vocabulary size and what "auto" stands for on `device` (`resolve.for_devices`; config
+    validated). Returns (prepared data, config, the config the workdir's run was started with or None); the
+    leader's locks are released with `held`, and a workdir it creates is removed again by a failure or a stop
+    before the first step."""
+    first_step_started = lambda: request.training
     saved = run_dir.load_saved_config(workdir)
     if jax.process_count() > 1:  # every process has seen the directory as it was before the leader writes to it
         multihost_utils.sync_global_devices("andrea_config_read")
     config = ml_collections.ConfigDict(config.to_dict())
-    if saved is not None:  # the model's shape is checked here, once, before any data work
+    if saved is not None:  # what may change on resume is checked here, once, before any data work
         tokenizer_path = os.path.join(workdir, pipeline.TOKENIZER_FILE)
         if config.model.vocab_size == 0 and os.path.exists(tokenizer_path):  # a resume keeps its tokenizer
             config.model.vocab_size = tokenizers.load(tokenizer_path).vocab_size
         run_dir.check_compatible(saved, config, workdir)
-        for key in ("order", "era_windows"):  # what a resumed run reads is fixed at its start
-            if saved.data[key] != config.data[key]:
-                print(f"{workdir} holds a run started with data.{key}={saved.data[key]!r}: it resumes with it, "
-                      f"not {config.data[key]!r} (a new workdir takes the new value)", flush=True)
-                config.data[key] = saved.data[key]
 
     def as_leader():
         created = not os.path.lexists(workdir)
         held.callback(os.close, run_dir.hold(workdir))  # one run per workdir: before anything is written to it
-        if created:  # exits before the lock is released
+        if created:  # exits before the lock is released; a stop at once does it before the process ends
             held.push(partial(_remove_if_unstarted, workdir, first_step_started))
+            request.clean_ups.append(partial(_remove_if_unstarted, workdir, first_step_started, KeyboardInterrupt))
         if saved is None:
             run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
+        _, descriptor = run_dir.claim_identity(workdir, sources.cache_dir_of(config.data))
+        if descriptor is not None:
+            held.callback(os.close, descriptor)
         # The step it resumes at decides whether a larger stream budget can go on where the run's ended.
         prepared = pipeline.prepare(config, workdir, is_leader=True, first_step=max(_saved_steps(workdir), default=0))
-        if prepared.train.encoded_beside_training:  # eras of the run's own (a split of one era is shared)
-            descriptor = hold_eras(prepared.train, workdir)  # here, so that every process stops on a refusal
-            if descriptor is not None:
-                held.callback(os.close, descriptor)
-            if created:  # the eras of a new run are its own, keyed by its new id
-                held.push(partial(_remove_if_unstarted, workdir, first_step_started, also=prepared.train.directory))
+        if created and prepared.train.encoded_beside_training:  # the eras of a new run are its own, keyed by its id
+            remove_eras = partial(_remove_if_unstarted, workdir, first_step_started, also=prepared.train.directory)
+            held.push(remove_eras)
+            request.clean_ups.insert(0, partial(remove_eras, KeyboardInterrupt))
         return prepared
 
     prepared = leader_first(leader, as_leader, lambda: pipeline.prepare(config, workdir, is_leader=False),
@@ -149,70 +89,41 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size
     config = resolve.for_devices(config, device, saved)  # the record says what ran
-    # An existing run's config.json is rewritten by `train` once its checkpoints are known to fit.
+    # An existing run's config.json is rewritten once a step has trained under this config.
     return prepared, config, saved
 
 
-def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None = None) -> dict:
+def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None = None,
+          exit_at_once: bool = False) -> dict:
     """Runs (or resumes) the run in `workdir` on `devices` (default: all); returns the latest logged figures.
 
     Process 0 holds the workdir's lock (`run_dir.hold`) from before anything is written until the end.
     A workdir the run created and stopped in before its first step is removed again: the disk is left
-    as the run found it.
+    as the run found it. A stop at once (before the first step, or a second Ctrl-C) ends the process in one
+    line where `exit_at_once` (train.py), else raises StoppedAtOnce (a notebook's kernel lives on).
     """
-    try:
-        with _StartUpInterrupt() as start_up, contextlib.ExitStack() as held:
-            return _train(config, workdir, devices, held, start_up)
-    except KeyboardInterrupt:  # from the first step on (mostly a second Ctrl-C); a save under way was finished on exit
-        newest = max(_saved_steps(workdir), default=None)
-        raise StoppedAtOnce(
-            "stopped at once by Ctrl-C; " + ("no checkpoint was saved yet" if newest is None else
-                                                      f"the newest checkpoint is step {newest}") +
-            "; run the same command to resume") from None
-
-
-class StoppedBeforeFirstStep(UserError):
-    """Ctrl-C before the first step: the run stopped at once, its start-up undone."""
+    with stop.stop_requests(exit_at_once) as request:
+        request.line_at_once = partial(_stopped_at_once, workdir)
+        try:
+            with contextlib.ExitStack() as held:
+                return _train(config, workdir, devices, held, request)
+        except KeyboardInterrupt:  # a stop at once, where the process lives on; a save under way was finished
+            raise StoppedAtOnce(_stopped_at_once(workdir, "Ctrl-C", request.training)) from None
 
 
 class StoppedAtOnce(UserError):
-    """Ctrl-C in training that stops at once (a second one): the step it came in is not saved."""
+    """A stop at once: before the first step (nothing trained), or a second Ctrl-C (the step it came in is not
+    saved)."""
 
 
-class _StartUpInterrupt:
-    """Until the first step, Ctrl-C stops the run at once, in one line (`StoppedBeforeFirstStep`), after
-    the same clean-up as any failure (a workdir the run created is removed again).
-
-    Python raises KeyboardInterrupt between any two bytecodes, also in the garbage collector's callbacks
-    (JAX's among them, while a step compiles), which print it as ignored and drop it: the run went on
-    training. A dropped one is delivered to the main thread again, a moment later from a thread of its own so
-    that it lands after the callback (were it to land in one again, it would be dropped and delivered again)."""
-
-    def __enter__(self) -> "_StartUpInterrupt":
-        self.previous_hook, self.started = sys.unraisablehook, False
-        sys.unraisablehook = self._dropped
-        return self
-
-    def _dropped(self, unraisable) -> None:
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            # A signal to the main thread, as Ctrl-C sends: it also ends a wait the thread is blocked in.
-            later = threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-            later.daemon = True
-            later.start()
-        else:
-            self.previous_hook(unraisable)
-
-    def first_step(self) -> None:
-        """From here Ctrl-C is the loop's: finish the step, save, stop."""
-        self.started = True
-        sys.unraisablehook = self.previous_hook
-
-    def __exit__(self, failure: type | None, *_) -> None:
-        sys.unraisablehook = self.previous_hook
-        if failure is KeyboardInterrupt and not self.started:
-            raise StoppedBeforeFirstStep(
-                "stopped by Ctrl-C before the first step: nothing was trained or left half-written; run the same "
-                "command to start again") from None
+def _stopped_at_once(workdir: str, name: str, training: bool) -> str:
+    if not training:
+        return (f"stopped by {name} before the first step: nothing was trained or left half-written; run the same "
+                f"command to start again")
+    newest = max(_saved_steps(workdir), default=None)
+    return (f"stopped at once by {name}; " + ("no checkpoint was saved yet" if newest is None else
+                                              f"the newest checkpoint is step {newest}") +
+            "; run the same command to resume")
 
 
 def _remove_if_unstarted(workdir: str, first_step_started: Callable[[], bool], failure: type | None, *_,
@@ -227,7 +138,7 @@ def _remove_if_unstarted(workdir: str, first_step_started: Callable[[], bool], f
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None, held: contextlib.ExitStack,
-           start_up: _StartUpInterrupt) -> dict:
+           request: stop.StopRequest) -> dict:
     leader = jax.process_index() == 0
     validate(config)
     mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation
@@ -235,8 +146,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
     if config.hellaswag.every:  # before the data work: offline, an unprepared TFDS HellaSwag stops in seconds
         read = lambda: hellaswag.load(config.hellaswag.source, config.data.tfds_data_dir)
         hellaswag_examples = leader_first(leader, read, read, "prepare the HellaSwag examples")
-    prepared, config, saved = prepare_run(config, workdir, leader, held, lambda: start_up.started,
-                                          device=mesh.devices.flat[0])
+    prepared, config, saved = prepare_run(config, workdir, leader, held, request, device=mesh.devices.flat[0])
     encoder = _start_encoder(config, workdir, prepared, held, leader)  # encodes while the step compiles
     mesh = sharding.make_mesh(config, devices)  # again: a resume keeps its own micro-batches, which must split here
     hellaswag_rows = None if hellaswag_examples is None else \
@@ -270,6 +180,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
             state = jax.jit(lambda rng: sharding.unbox(init(rng)), out_shardings=state_shardings)(
                 jax.random.key(config.seed))
             start_step = 0
+            if config.init_params_from:  # a new run from another's parameters; its optimizer starts anew
+                state["params"] = _params_from(config.init_params_from, abstract, prepared.tokenizer.sha256)
         else:
             restored_state, meta = restored
             start_step = int(meta["step"])
@@ -285,7 +197,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
             # Records past the start step come from a run that stopped before saving them
             # (also before its first checkpoint): they are logged again below.
             metrics.truncate_after(workdir, start_step)
-            run_dir.save_config(workdir, config)
+            wandb_mirror.forget_after(workdir, start_step)  # with W&B off too: its steps past here are not the run's
         target_reached = any(TARGET_KEY in record for record in metrics.read(workdir))
         # After the truncation, which replaces the file.
         writer = metrics.Writer(workdir, enabled=leader, start_step=start_step, config=config)
@@ -296,10 +208,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         step_trace = trace.StepTrace(workdir, config, start_step)
         held.callback(step_trace.close)
         if prepared.train.encoded_beside_training and start_step < config.steps:  # the wait for the first era in
-            make_batch(start_step)  # this thread, where a Ctrl-C still stops at once (one era: built already)
-        start_up.first_step()
+            make_batch(start_step)  # this thread, where a stop is still a stop at once (one era: built already)
+        request.training, request.saving = True, ckpt.saving
         return _loop(steps, state, start_step, carried_losses, carried_seconds, target_reached, prepared, make_batch,
-                     reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace)
+                     reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace, workdir, request)
 
 
 def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pipeline.Prepared,
@@ -311,6 +223,17 @@ def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pi
     encoder = Encoder(config, workdir, max(_saved_steps(workdir), default=0))
     held.callback(encoder.stop)
     return encoder
+
+
+def _params_from(workdir: str, abstract: dict, tokenizer_sha256: str) -> Any:
+    """The parameters of the newest readable checkpoint in `workdir` (config.init_params_from)."""
+    restored = checkpoint.Checkpointer(workdir, read_only=True).restore(
+        {"params": abstract["params"]}, params_only=True, tokenizer_sha256=tokenizer_sha256)
+    if restored is None:
+        raise checkpoint.CheckpointError(f"init_params_from={workdir!r} holds no checkpoint; point it at a "
+                                         f"workdir that train.py saved one in")
+    print(f"the parameters start from step {restored[1]['step']} of {workdir} (init_params_from)", flush=True)
+    return restored[0]["params"]
 
 
 def _saved_steps(workdir: str) -> list[int]:
@@ -331,7 +254,8 @@ def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, enc
 def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], carried_seconds: float,
           target_reached: bool, prepared: pipeline.Prepared, make_batch, reader: eras.Reader,
           hellaswag_rows: hellaswag.Encoded | None, mesh: jax.sharding.Mesh, peak: float | None,
-          ckpt: checkpoint.Checkpointer, writer: metrics.Writer, step_trace: trace.StepTrace) -> dict:
+          ckpt: checkpoint.Checkpointer, writer: metrics.Writer, step_trace: trace.StepTrace, workdir: str,
+          request: stop.StopRequest) -> dict:
     config, leader = steps.config, jax.process_index() == 0
     session_start = time.perf_counter()
     train_seconds = lambda: carried_seconds + time.perf_counter() - session_start  # the run's, over its sessions
@@ -426,71 +350,48 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
                                 "data_step": done, "log_interval_losses": [float(loss) for loss in interval_losses],
                                 "train_seconds": train_seconds()})
 
-    def announce() -> None:
-        progress.write(f"{received[0]} received: saving a checkpoint, then stopping "
-                       f"(with several processes, at the next log step)", file=sys.stderr)
-
-    stopping = announced = False
+    stopping = False
     done = saved = start_step  # the last finished step, the last saved
-    prefetched = batcher.prefetch(make_batch, start_step, batch_sharding, end_step=config.steps)
-    with _stop_signals() as received, contextlib.closing(prefetched) as batches:
-        if jax.process_count() == 1:  # several processes stop together, at a log step (`_agreed`)
-            reader.stop_waiting = lambda: bool(received)
-        try:
-            for step, batch in _until_stopped(batches, received):
-                step_trace.before(step + 1)
-                state, step_metrics = steps.train(state, batch)
-                step_trace.after(step + 1, state)
-                pending.append((step, step_metrics))
-                done, interval[1] = step + 1, interval[1] + 1
-                progress.update(1)
-                for every, action in actions:
-                    if done % every == 0 or done == config.steps:
-                        record = action(done, state)
-                        if record:  # an action may have nothing to say (first_at_target, mostly)
-                            writer.write(done, record)
-                            last_record.update(record)
-                        interval[:] = time.perf_counter(), 0
-                if received and not announced:
-                    announced = True
-                    announce()
-                stopping = _agreed(bool(received), done, config)
-                if done % config.checkpoint_every == 0 or done == config.steps or stopping:
-                    with received.stopping_promptly() if stopping else contextlib.nullcontext():
-                        save(done, state)
-                    saved, interval[:] = done, (time.perf_counter(), 0)
-                if stopping:
-                    break
-        except eras.WaitStopped:  # a stop request ended the wait for the next step's era: the last step is saved now
-            stopping = True
-            announce()
-            if done != saved:
-                with received.stopping_promptly():
-                    save(done, state)
-        if stopping:  # the stop's checkpoint is written before a second Ctrl-C can end the run
-            with received.stopping_promptly():
-                ckpt.wait()
+    reader.stop_waiting = request.requested
+    with contextlib.closing(batcher.prefetch(make_batch, start_step, batch_sharding, end_step=config.steps)) as batches:
+        for step in range(start_step, config.steps):
+            try:
+                batch = next(batches)[1]
+            except eras.WaitStopped:  # a stop request ended the wait for this step's era
+                batch = None
+            if stopping := request.agreed(done, waited_out=batch is None):
+                break
+            step_trace.before(step + 1)
+            state, step_metrics = steps.train(state, batch)
+            step_trace.after(step + 1, state)
+            pending.append((step, step_metrics))
+            done, interval[1] = step + 1, interval[1] + 1
+            progress.update(1)
+            if done == start_step + 1 and leader:  # the config this step trained under is now the run's
+                run_dir.save_config(workdir, config)
+            for every, action in actions:
+                if done % every == 0 or done == config.steps:
+                    record = action(done, state)
+                    if record:  # an action may have nothing to say (first_at_target, mostly)
+                        writer.write(done, record)
+                        last_record.update(record)
+                    interval[:] = time.perf_counter(), 0
+            if done % config.checkpoint_every == 0 or done == config.steps:
+                save(done, state)
+                saved, interval[:] = done, (time.perf_counter(), 0)
+    if stopping:
+        progress.write(f"{request.reason()} received: saving step {done}, then stopping")
+        if done != saved:
+            save(done, state)
+    ckpt.wait()  # a second Ctrl-C meanwhile is noted: the stop's checkpoint is written first
     progress.close()
-    ckpt.wait()
     if leader and stopping:
-        print(f"stopped at step {done} on {received[0] if received else 'a signal to another process'}; "
-              f"checkpoint saved in {ckpt.directory}; run the same command to resume", flush=True)
+        print(f"stopped at step {done} on {request.reason()}; checkpoint saved in {ckpt.directory}; run the same "
+              f"command to resume", flush=True)
     elif leader:
         print(f"finished step {config.steps}; the last checkpoint is "
               f"{os.path.join(ckpt.directory, str(ckpt.steps()[-1]))}", flush=True)
     return {**last_record, "stopped_at": done} if stopping else last_record
-
-
-def _until_stopped(batches: Iterator[tuple[int, jax.Array]], received: _StopRequests
-                   ) -> Iterator[tuple[int, jax.Array]]:
-    """The batches, each waited for `stopping_promptly` (a stop request ends the wait for an era: `WaitStopped`)."""
-    while True:
-        with received.stopping_promptly():
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-        yield batch
 
 
 def _compare_rates(reader: eras.Reader, tokens_per_second: float) -> None:
@@ -529,10 +430,3 @@ def _report_schedule_change(saved: ml_collections.ConfigDict | None, config: ml_
         else:
             what = f"step {start_step + 1} trains at {now:.3g}, where the run's own schedule gave {before:.3g}"
         print(f"the learning-rate schedule changes on resume ({', '.join(changes)}): {what}", flush=True)
-
-
-def _agreed(local_stop: bool, done: int, config) -> bool:
-    """Whether to stop now; with several processes, any one's signal stops all at a log step."""
-    if jax.process_count() == 1:
-        return local_stop
-    return done % config.log_every == 0 and bool(np.any(multihost_utils.process_allgather(np.array(local_stop))))

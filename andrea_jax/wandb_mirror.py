@@ -1,20 +1,20 @@
-"""Weights & Biases: every record the run logs, mirrored to one W&B run that lives as long as the workdir's.
+"""Weights & Biases: every record the run logs, mirrored to one W&B run that holds what metrics.jsonl holds.
 
-Optional (`pip install wandb`) and off unless `wandb.project` is set. The W&B run's id is kept in the workdir
-(`wandb.json`), with the last step sent to it and the workdir's own path, so that on every start the W&B run
-is made to hold what metrics.jsonl holds up to the checkpoint the run starts from:
-- a resume continues the W&B run; steps it lacks (W&B could not be reached when they were trained) are sent
-  from metrics.jsonl first;
-- a resume from a checkpoint before the last step sent (a kill, or an earlier checkpoint taken again with a
-  lower rate) rewinds the W&B run to the checkpoint's step (`resume_from="ID?_step=N"`), so that the steps
-  trained again replace the old ones;
-- a copy of a workdir (the path in `wandb.json` is another workdir that still holds the same run) starts a W&B
-  run of its own, forked from the original's at the last step both hold (`fork_from="ID?_step=N"`).
+Optional (`pip install wandb`) and off unless `wandb.project` is set. `wandb.json` in the workdir keeps the W&B
+run's id, project and entity, the run identity it mirrors (`run_dir.claim_identity`), the last step sent to
+it ("sent") and the last step up to which its values are metrics.jsonl's ("agreed"; `forget_after` lowers it
+on every start, W&B on or off). A start with W&B on (docs/lifecycle.md, "Mirror"):
+- goes on with the W&B run, first sending the steps metrics.jsonl holds and it lacks;
+- rewinds it (`resume_from="ID?_step=N"`) where it holds steps past "agreed" (a kill, a resume from an earlier
+  checkpoint, also one trained with W&B off), so that the steps trained again replace them;
+- starts a new W&B run sent the whole of metrics.jsonl where W&B refuses the rewind (a preview feature many
+  accounts lack, and one it refuses for a run not yet finished), or the workdir is a copy with an identity of
+  its own, or the project or entity changed. One line says which.
 `WANDB_MODE=offline`, or no W&B login, writes the run under the workdir's `wandb/` for `wandb sync` to upload
-later; the rewind or fork is recorded there and done by W&B when the run is uploaded.
+later (the rewind with it), and says where.
 
 W&B never stops training: a failure to start (no network, a refused key, a time-out) or to log (a quota) is
-one warning line, and the local logs go on.
+one warning line, and the local logs go on; the next start tries again.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ from typing import Any, Iterable
 
 import ml_collections
 
+from andrea_jax import run_dir
 from andrea_jax.runtime import atomic
 
-# {"id": the W&B run's id, "logged_through": the last step sent, "workdir": the real path of the workdir it
-# belongs to}
 STATE_FILE = "wandb.json"
 
 
@@ -44,48 +43,47 @@ def _say(line: str) -> None:
 
 
 def _read_state(workdir: str) -> dict:
-    state = {"id": None, "logged_through": -1, "workdir": None}
     path = os.path.join(workdir, STATE_FILE)
-    if os.path.exists(path):
-        with open(path) as f:
-            state.update(json.load(f))
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        state = json.load(f)
+    if "sent" not in state:  # written before "agreed": its steps were all the run's
+        state["sent"] = state["agreed"] = state.pop("logged_through", -1)
     return state
 
 
-def _holds_run(workdir: str, run_id: str) -> bool:
-    """Whether `workdir` still holds the W&B run `run_id` (a workdir moved away holds nothing there)."""
+def forget_after(workdir: str, step: int) -> None:
+    """The run starts from `step`, and metrics.jsonl drops its records past it: so do W&B's (at its next start)."""
     try:
-        return _read_state(workdir)["id"] == run_id
+        state = _read_state(workdir)
     except (OSError, ValueError):
-        return False
+        return
+    if state and state["agreed"] > step:
+        atomic.write(os.path.join(workdir, STATE_FILE), json.dumps({**state, "agreed": step}))
 
 
-def _start(workdir: str, state: dict, start_step: int) -> tuple[dict, dict]:
-    """(wandb.init's arguments that pick the run, the state once it has started): the workdir's own run,
-    rewound to `start_step` if it holds steps past it, or a new one for a copy of another workdir."""
-    here, run_id, sent = os.path.realpath(workdir), state["id"], int(state["logged_through"])
-    original = state["workdir"]
-    if run_id is not None and original not in (None, here) and _holds_run(original, run_id):
-        # Both workdirs would write into one W&B run. The copy's metrics.jsonl holds the original's steps
-        # up to the checkpoint it starts from, and the original's W&B run the steps sent before the copy.
-        new_id, fork_at = secrets.token_hex(6), min(sent, start_step)
-        if fork_at >= 1:
-            _say(f"{workdir} is a copy of {original}: its records go to a W&B run of its own, {new_id}, "
-                 f"forked from {run_id} at step {fork_at}")
-            return ({"id": new_id, "fork_from": f"{run_id}?_step={fork_at}"},
-                    {"id": new_id, "logged_through": fork_at, "workdir": here})
-        _say(f"{workdir} is a copy of {original}: its records go to a W&B run of its own, {new_id} ({run_id} "
-             f"holds no step to fork from)")
-        return {"id": new_id}, {"id": new_id, "logged_through": -1, "workdir": here}
-    if run_id is not None and sent > start_step:
-        # Steps past the checkpoint were sent by a run that stopped without saving them (a kill), or trained
-        # with other settings (a resume from an earlier checkpoint): the steps trained again replace them.
-        _say(f"run {run_id} is rewound to step {start_step}, the checkpoint this run starts from: its steps "
-             f"{start_step + 1} to {sent} are replaced by the ones trained now")
-        return ({"resume_from": f"{run_id}?_step={start_step}"},
-                {"id": run_id, "logged_through": start_step, "workdir": here})
-    run_id = run_id or secrets.token_hex(6)
-    return {"id": run_id, "resume": "allow"}, {"id": run_id, "logged_through": sent, "workdir": here}
+def _new_run(state: dict, why: str) -> tuple[dict, dict]:
+    new_id = secrets.token_hex(6)
+    if state.get("id"):
+        _say(f"{why}: the records go to a new W&B run, {new_id}, sent the whole of metrics.jsonl")
+    return {"id": new_id}, {"id": new_id, "sent": -1, "agreed": -1}
+
+
+def _start(state: dict, mirrored: dict, start_step: int) -> tuple[dict, dict]:
+    """(wandb.init's arguments that pick the W&B run, its state once started)."""
+    owner = {key: state.get(key, value) for key, value in mirrored.items()}
+    if not state.get("id") or owner != mirrored:
+        changed = "the workdir's run" if owner["run"] != mirrored["run"] else "the project or entity"
+        return _new_run(state, f"W&B run {state.get('id')} mirrors another run ({changed} changed)")
+    if state["sent"] > state["agreed"]:
+        # Steps past "agreed" were sent by a run that stopped without saving them (a kill), or were trained again
+        # since (a resume from an earlier checkpoint): the steps trained again replace them.
+        _say(f"run {state['id']} is rewound to step {state['agreed']}: its steps {state['agreed'] + 1} to "
+             f"{state['sent']} are replaced by metrics.jsonl's and the ones trained now")
+        return ({"resume_from": f"{state['id']}?_step={state['agreed']}"},
+                {"id": state["id"], "sent": state["agreed"], "agreed": state["agreed"]})
+    return {"id": state["id"], "resume": "allow"}, {"id": state["id"], "sent": state["sent"], "agreed": state["sent"]}
 
 
 class Mirror:
@@ -101,27 +99,39 @@ class Mirror:
             _warn("is not installed (pip install wandb)")
             return
         self._wandb = wandb
+        mirrored = {"run": run_dir.identity(workdir), "project": config.wandb.project,
+                    "entity": config.wandb.entity or None}
         try:
-            which, self._state = _start(workdir, _read_state(workdir), start_step)
+            which, state = _start(_read_state(workdir), mirrored, start_step)
             mode = os.environ.get("WANDB_MODE", "online")
             if mode == "online" and not wandb.login(prompt=False, verify=False):  # init would ask for a key, and wait
                 mode = "offline"
-                _say(f"no login (wandb login, or WANDB_API_KEY): the run is written to {workdir}/wandb for "
-                     f"`wandb sync` to upload later")
-            self._run = wandb.init(
+                _say("no login (wandb login, or WANDB_API_KEY): the run is written offline")
+            start = lambda which: wandb.init(
                 project=config.wandb.project, entity=config.wandb.entity or None, **which,
                 dir=workdir, mode=mode, config=config.to_dict(), name=os.path.basename(os.path.abspath(workdir)),
                 settings=wandb.Settings(init_timeout=float(config.wandb.timeout_seconds), silent=True,
                                         console="off"))
+            try:
+                self._run = start(which)
+            except Exception as error:
+                if "resume_from" not in which:
+                    raise
+                which, state = _new_run(state, f"W&B refused to rewind run {state['id']} ({_first_line(error)})")
+                self._run = start(which)
+            self._state = {**state, **mirrored}
             # Written once the run has started: a start that failed changes nothing the next start decides on.
             atomic.write(self._path, json.dumps(self._state))
         except Exception as error:  # wandb raises its own errors, and others from its service
-            _warn(f"could not start ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+            _warn(f"could not start ({type(error).__name__}: {_first_line(error)})")
             return
-        missing = [record for record in logged if self._state["logged_through"] < record["step"] <= start_step]
+        if mode != "online":
+            _say(f"run {state['id']} is written to {os.path.dirname(self._run.dir)}; `wandb sync` that directory to "
+                 f"upload it")
+        missing = [record for record in logged if self._state["sent"] < record["step"] <= start_step]
         if missing:
             _say(f"sending steps {missing[0]['step']} to {missing[-1]['step']} from metrics.jsonl, which run "
-                 f"{self._state['id']} lacks (trained while W&B was off or could not be reached)")
+                 f"{self._state['id']} lacks")
         for record in missing:
             self.log(record["step"], {key: value for key, value in record.items() if key != "step"})
 
@@ -131,8 +141,8 @@ class Mirror:
         try:
             self._run.log({key: value for key, value in record.items() if isinstance(value, (int, float))},
                           step=step)
-            if step > self._state["logged_through"]:
-                self._state["logged_through"] = step
+            if step > self._state["sent"]:
+                self._state["sent"] = self._state["agreed"] = step
                 atomic.write(self._path, json.dumps(self._state))
         except Exception as error:
             _warn(f"stopped logging ({type(error).__name__}: {error})")
@@ -147,3 +157,7 @@ class Mirror:
                 wandb.teardown()
         except Exception as error:
             _warn(f"could not finish the run ({type(error).__name__}: {error})")
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else ""

@@ -14,7 +14,6 @@ import pytest
 from andrea_jax import checkpoint, metrics, train_loop
 from andrea_jax import run_dir
 from andrea_jax.config import ConfigError, base_config
-from andrea_jax.data import DataError
 from andrea_jax.runtime.atomic import DiskFull
 from andrea_jax.data import tokenizer as tokenizers
 from tests.test_checkpoint import tiny_config
@@ -61,8 +60,32 @@ def test_save_config_round_trip_and_compatibility(tmp_path):
     changed.steps, changed.optimizer.learning_rate = 5, 1e-4  # not shapes: fine to change on resume
     run_dir.check_compatible(saved, changed, str(tmp_path))
     changed.model.d_model = 512
-    with pytest.raises(ConfigError, match="model.d_model=768, not 512; pass --config.model.d_model=768"):
+    with pytest.raises(ConfigError, match="model.d_model=768, which a resume cannot change to 512; pass "
+                                          "--config.model.d_model=768 to resume it, or start a new --workdir"):
         run_dir.check_compatible(saved, changed, str(tmp_path))
+    run_dir.check_compatible(saved, changed, str(tmp_path), only="optimizer.")  # evaluation checks the model alone
+
+
+@pytest.mark.parametrize("key, value", [("seq_len", 512), ("batch_size", 4), ("seed", 1), ("data.order", "random"),
+                                        ("data.era_windows", 8), ("data.source", "text:x"), ("model.dropout", 0.1),
+                                        ("optimizer.weight_decay", 0.0), ("optimizer.name", "muon")])
+def test_a_resume_refuses_every_key_outside_the_table_and_names_the_way_to_change_it(tmp_path, key, value):
+    saved, changed = base_config(), base_config()
+    changed.update_from_flattened_dict({key: value})
+    old = repr(saved.to_dict()[key.split(".")[0]] if "." not in key else saved[key.split(".")[0]][key.split(".")[1]])
+    with pytest.raises(ConfigError, match=re.escape(f"holds a run with {key}={old}, which a resume cannot change to "
+                                                    f"{value!r}") + ".*--config.init_params_from="):
+        run_dir.check_compatible(saved, changed, "w")
+
+
+def test_a_resume_may_change_what_the_table_allows():
+    saved, changed = base_config(), base_config()
+    changed.update_from_flattened_dict({
+        "steps": 7, "optimizer.learning_rate": 1e-3, "optimizer.decay": "wsd", "log_every": 1, "eval_every": 2,
+        "checkpoint_every": 3, "keep_checkpoints": 9, "wandb.project": "p", "profile_steps": "1:2",
+        "microbatches": 4, "model.dtype": "bfloat16", "model.attention": "auto", "data.stream_tokens": 10**9,
+        "data.cache_dir": "/elsewhere", "mesh.data": 2, "hellaswag.every": 5, "model.vocab_size": 0})
+    run_dir.check_compatible(saved, changed, "w")
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +107,11 @@ def copy_of(trained, tmp_path):
 
 
 @pytest.mark.parametrize("override, error, message", [
-    ({"model.d_model": 32}, ConfigError, "holds a run with model.d_model=64, not 32; pass --config.model.d_model=64"),
-    ({"model.n_layer": 3}, ConfigError, "model.n_layer=2, not 3"),
-    ({"data.tokenizer": "byte"}, DataError, "is a char tokenizer but data.tokenizer='byte'"),
+    ({"model.d_model": 32}, ConfigError, "holds a run with model.d_model=64, which a resume cannot change to 32; "
+                                         "pass --config.model.d_model=64"),
+    ({"model.n_layer": 3}, ConfigError, "model.n_layer=2, which a resume cannot change to 3"),
+    ({"seq_len": 16}, ConfigError, "seq_len=32, which a resume cannot change to 16"),
+    ({"data.tokenizer": "byte"}, ConfigError, "data.tokenizer='char', which a resume cannot change to 'byte'"),
 ])
 def test_a_changed_model_or_tokenizer_is_refused_and_nothing_is_touched(copy_of, override, error, message):
     config, workdir = copy_of
@@ -105,8 +130,8 @@ def test_a_swapped_tokenizer_is_refused(copy_of):
     original = tokenizers.load(path)
     tokenizers.CharTokenizer(original.chars + ["\u00e9"]).save(path)
     before = {name: content for name, content in snapshot(workdir).items() if name != "data.json"}
-    with pytest.raises(ConfigError, match=f"holds a run with model.vocab_size={original.vocab_size}, not "
-                                          f"{original.vocab_size + 1}"):
+    with pytest.raises(ConfigError, match=f"holds a run with model.vocab_size={original.vocab_size}, which a resume "
+                                          f"cannot change to {original.vocab_size + 1}"):
         train_loop.train(config, workdir, devices=jax.devices()[:1])
     after = {name: content for name, content in snapshot(workdir).items() if name != "data.json"}
     assert after == before  # config.json, metrics and checkpoints as they were
@@ -194,4 +219,19 @@ def test_a_full_disk_under_a_new_workdir_is_one_line_and_leaves_nothing(tmp_path
     with pytest.raises(DiskFull, match=rf"^the disk is full: writing {re.escape(str(workdir / run_dir.LOCK_FILE))} "
                                        r"\([\d.]+ MiB free there\); free some space"):
         run_dir.hold(str(workdir))
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(workdir) == [run_dir.LOCK_FILE] and os.path.getsize(workdir / run_dir.LOCK_FILE) == 0
+
+
+def test_a_run_refused_at_the_lock_leaves_the_holder_s_lock_and_directory(tmp_path):
+    """Two runs start at once on a new workdir: both make the directory and run.lock, one gets the lock. The one
+    refused must remove neither, or a third run would get a lock of its own beside the holder."""
+    workdir = str(tmp_path / "new")
+    held = run_dir.hold(workdir)
+    try:
+        with pytest.raises(ConfigError, match="is in use by a training run"):
+            run_dir.hold(workdir)
+        with pytest.raises(ConfigError, match="is in use by a training run"):  # a third: still refused
+            run_dir.hold(workdir)
+        assert os.listdir(workdir) == [run_dir.LOCK_FILE]
+    finally:
+        os.close(held)

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import jax
 import numpy as np
@@ -348,29 +347,6 @@ def metrics_records(workdir):
         return [json.loads(line) for line in f]
 
 
-def test_ctrl_c_dropped_by_a_garbage_collector_callback_still_stops_the_start_up():
-    """Python drops an exception raised in a gc callback (as it did JAX's, while a step compiled, and the run
-    went on): the start-up delivers it again, and it stops the run in one line."""
-    import gc
-
-    def interrupted(phase, info):
-        gc.callbacks.remove(interrupted)
-        raise KeyboardInterrupt
-
-    with pytest.raises(train_loop.StoppedBeforeFirstStep, match="stopped by Ctrl-C before the first step"):
-        with train_loop._StartUpInterrupt():
-            gc.callbacks.append(interrupted)
-            gc.collect()
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # the interrupt is raised between these bytecodes
-                pass
-    # From the first step on, a KeyboardInterrupt is the loop's again.
-    with pytest.raises(KeyboardInterrupt):
-        with train_loop._StartUpInterrupt() as start_up:
-            start_up.first_step()
-            raise KeyboardInterrupt
-
-
 def test_ctrl_c_while_the_step_compiles_stops_at_once_in_one_line_and_removes_the_new_workdir(tmp_path):
     workdir = tmp_path / "w"
     with open(tmp_path / "stderr", "w+") as stderr:
@@ -397,39 +373,3 @@ def test_ctrl_c_while_the_step_compiles_stops_at_once_in_one_line_and_removes_th
     assert err.strip().splitlines()[-1].startswith("error: stopped by Ctrl-C before the first step"), err[-2000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert "mesh " in out and "step 1" not in out and not workdir.exists()
-
-
-@pytest.mark.parametrize("inherited, remembered", [(signal.SIG_IGN, []), (signal.default_int_handler, ["SIGINT"])])
-def test_a_ctrl_c_the_run_was_started_ignoring_is_ignored_in_training_too(inherited, remembered):
-    """A background job's SIGINT is ignored from its start (Python keeps an inherited SIG_IGN): training keeps it so."""
-    previous = signal.signal(signal.SIGINT, inherited)
-    try:
-        with train_loop._stop_signals() as received:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)  # the handler runs in the main thread between bytecodes
-            assert received == remembered
-        assert signal.getsignal(signal.SIGINT) == inherited
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def test_a_second_ctrl_c_is_only_noted_while_the_stop_saves_even_after_one_during_a_step():
-    """The first Ctrl-C lands during a step (the next stops at once), the second while the stop's checkpoint is
-    written (only noted, so that it is kept), the third after it (at once)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with train_loop._stop_signals() as received:
-            os.kill(os.getpid(), signal.SIGINT)  # during a step
-            time.sleep(0.05)
-            try:
-                with received.stopping_promptly():  # the stop's save
-                    os.kill(os.getpid(), signal.SIGINT)
-                    time.sleep(0.05)
-            except KeyboardInterrupt:
-                pytest.fail("the second Ctrl-C interrupted the stop's save")
-            assert received == ["SIGINT", "SIGINT"]
-            with pytest.raises(KeyboardInterrupt):
-                os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(0.05)
-    finally:
-        signal.signal(signal.SIGINT, previous)

@@ -1,6 +1,6 @@
 """The era encoder: the process beside the training loop that builds a streamed split's eras (`eras.py`).
 
-`hold` keeps the run's eras its own while it runs; `Encoder` starts `python -m andrea_jax.data.encoder`
+`Encoder` starts `python -m andrea_jax.data.encoder`
 for the run in a workdir from a step on, and the process dies with the training run, even by kill -9.
 """
 
@@ -17,28 +17,10 @@ import sys
 
 import ml_collections
 
-from andrea_jax import run_dir
-from andrea_jax.data import DataError, eras, pipeline
+from andrea_jax.data import eras, pipeline
 from andrea_jax.data import tokenizer as tokenizers
 
 _PR_SET_PDEATHSIG = 1
-
-
-def hold(cache: eras.EraCache, workdir: str) -> int | None:
-    """The run's hold on its eras while it runs: the descriptor to close to let go (None where no lock can
-    be taken: the run goes on unguarded, as a token cache's build does, and the encoder says what fails).
-    A workdir copied from a run's, to try another setting from its checkpoint, names the same eras; were
-    both to run, each would delete what the other reads."""
-    try:
-        os.makedirs(cache.directory, exist_ok=True)
-        descriptor = os.open(os.path.join(cache.directory, "train.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        return run_dir.lock(descriptor, f", the run in {os.path.abspath(workdir)}")
-    except run_dir.Held as held:
-        raise DataError(f"the eras in {cache.directory} are read by another run now ({held}; a workdir copied "
-                        f"from a run names its eras); give this one a data.cache_dir of its own (it encodes its "
-                        f"eras there from the step it resumes at) or wait for the other to end") from None
-    except OSError:
-        return None
 
 
 class Encoder:

@@ -182,20 +182,23 @@ def _record_start(cache: EraCache, era: int, start: dict | None, final_tokens: i
     atomic.write(cache.record_path, json.dumps(record))
 
 
-def start_record(record_path: str, identity: dict, era_tokens: int, planned_tokens: int) -> dict:
-    """The workdir's record of its run's eras: read, or begun for a new run (with an id of its own, which keys
-    the run's era directory: the eras are the run's, deleted as its steps pass them). A larger budget is
-    `raise_budget`'s."""
+def start_record(record_path: str, identity: dict, era_tokens: int, planned_tokens: int,
+                 run_id: str | None = None) -> dict:
+    """The workdir's record of its run's eras: read, or begun for a new run. Its "run", the run's id
+    (`run_dir.claim_identity`; a new one without), keys the run's era directory: the eras are the run's,
+    deleted as its steps pass them, and a workdir given a new id encodes its own from the starts recorded here.
+    A larger budget is `raise_budget`'s."""
     record = EraCache("", record_path, era_tokens, planned_tokens).record()
-    if not record:
-        record = {"run": uuid.uuid4().hex[:12], "identity": identity, "era_tokens": era_tokens,
-                  "planned_tokens": planned_tokens,
-                  "starts": {"0": dict(token_cache.START)}}
-        os.makedirs(os.path.dirname(record_path) or ".", exist_ok=True)
-        atomic.write(record_path, json.dumps(record))
-    elif record["era_tokens"] != era_tokens or record["identity"] != identity:
+    if record and (record["era_tokens"] != era_tokens or record["identity"] != identity):
         raise DataError(f"{record_path} records the eras of another source, tokenizer or seq_len; resume with the "
                         f"data.source, data.era_windows and seq_len the run started with, or use a new workdir")
+    if not record:
+        record = {"identity": identity, "era_tokens": era_tokens, "planned_tokens": planned_tokens,
+                  "starts": {"0": dict(token_cache.START)}}
+    if not record.get("run") or run_id not in (None, record["run"]):
+        record["run"] = run_id or uuid.uuid4().hex[:12]
+        os.makedirs(os.path.dirname(record_path) or ".", exist_ok=True)
+        atomic.write(record_path, json.dumps(record))
     return record
 
 

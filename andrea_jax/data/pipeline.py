@@ -20,6 +20,7 @@ from typing import Iterator
 
 import ml_collections
 
+from andrea_jax import run_dir
 from andrea_jax.runtime import atomic
 from andrea_jax.data import DataError, batcher, eras, hf_stream, local_files, sources, token_cache
 from andrea_jax.data import tokenizer as tokenizers
@@ -76,7 +77,7 @@ def open_splits(config: ml_collections.ConfigDict) -> sources.Splits:
 def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources.Splits, tokenizer: Tokenizer,
                 preparing: bool = True, first_step: int = 0) -> eras.EraCache:
     """The training split's eras. A stream read in data.order="epochs": eras built beside training by the
-    encoder process, the run's own (keyed by the id in the workdir's record); `preparing` (the leader's
+    encoder process, the run's own (keyed by the run's id, `run_dir.claim_identity`); `preparing` (the leader's
     preparation, not the encoder process opening the same eras) checks the stream's start for text and the disk
     for the eras, and raises the budget of a run resumed at `first_step` that asks for more
     (`eras.raise_budget`), saying so once. Any other split: one era, built here
@@ -87,7 +88,7 @@ def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources
         if preparing and not any(splits.train.read(0, _READ_DOCUMENTS)):
             raise DataError(token_cache.no_text("train"))
         size, record_path = eras.era_tokens(config.data, seq_len), os.path.join(workdir, eras.RECORD_FILE)
-        record = eras.start_record(record_path, splits.identity, size, splits.train_tokens)
+        record = eras.start_record(record_path, splits.identity, size, splits.train_tokens, run_dir.identity(workdir))
         identity = {**splits.identity, "run": record["run"], "era_tokens": size}
         cache = eras.EraCache(cache_directory(cache_dir, identity, tokenizer.sha256), record_path, size,
                               int(record["planned_tokens"]))

@@ -1,0 +1,110 @@
+"""The run's one stop request: SIGTERM and SIGINT set it, every wait polls it (docs/lifecycle.md, "Stop").
+
+A signal handler here only notes the signal, or ends the process at once: it never raises into the code it
+lands in (a KeyboardInterrupt thrown into JAX's callbacks while a step compiles is dropped, or crashes the
+interpreter at exit). Before the first step a request ends the run at once; from then on the loop stops at
+the next step boundary, after saving, and a second Ctrl-C ends it at once unless a save is in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from typing import Callable, Iterator
+
+import jax
+
+_KEY = "andrea_jax/stop"  # in the distributed runtime's key-value store: some process has a request
+_POLL_S = 0.005
+
+
+class StopRequest:
+    """The signals received, in order; `training`, `saving` and `at_once` say what a signal does now."""
+
+    def __init__(self, exit_process: bool) -> None:
+        self.received: list[str] = []
+        self.training = False  # from the first step on: a request stops at the next step boundary
+        self.saving: Callable[[], bool] = lambda: False  # a checkpoint a stop at once would lose is being written
+        # A stop at once: ends the process (train.py) after `clean_ups`, saying `line_at_once(signal, training)`,
+        # or raises KeyboardInterrupt where the process lives on (a notebook's kernel).
+        self.exit_process, self.clean_ups = exit_process, []
+        self.line_at_once: Callable[[str, bool], str] = lambda name, training: f"stopped at once by {name}"
+        self._published = False
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        self.received.append(name)
+        again = name == "SIGINT" and self.received.count("SIGINT") > 1
+        if self.training and not (again and not self.saving()):
+            return  # only a note: the loop stops at its next step boundary
+        if not self.exit_process:
+            raise KeyboardInterrupt
+        for clean_up in self.clean_ups:
+            with contextlib.suppress(Exception):
+                clean_up()
+        with contextlib.suppress(Exception):  # the buffered streams may be mid-write in the main thread
+            sys.stdout.flush()
+        os.write(2, f"\nerror: {self.line_at_once('Ctrl-C' if name == 'SIGINT' else name, self.training)}\n".encode())
+        os._exit(2)  # no interpreter teardown under XLA's threads; the kernel drops the run's locks
+
+    def requested(self) -> bool:
+        """Whether this process, or with several processes any of them, was asked to stop (polled by waits)."""
+        if jax.process_count() == 1:
+            return bool(self.received)
+        client = _client()
+        if self.received and not self._published:
+            client.key_value_set(_KEY, "1", allow_overwrite=True)
+            self._published = True
+        return self._published or _try_get(client, _KEY) is not None
+
+    def agreed(self, done: int, waited_out: bool = False) -> bool:
+        """Whether every process stops after step `done`; `waited_out`: this one's wait for the next batch was
+        ended by a request. With several processes each posts its vote and reads all of them (a host round
+        trip through the distributed runtime, no device work), polling the request meanwhile."""
+        local = waited_out or self.requested()
+        if jax.process_count() == 1:
+            return local
+        client, prefix = _client(), f"andrea_jax/step{done}/"
+        client.key_value_set(f"{prefix}{jax.process_index()}", "1" if local else "0")
+        while len(votes := client.key_value_dir_get(prefix)) < jax.process_count():
+            self.requested()  # publishes a request that came meanwhile, for a process waiting for its era
+            time.sleep(_POLL_S)
+        with contextlib.suppress(Exception):  # a vote every process has read: the previous step's
+            client.key_value_delete(f"andrea_jax/step{done - 1}/{jax.process_index()}")
+        return any(value == "1" for _, value in votes)
+
+    def reason(self) -> str:
+        return self.received[0] if self.received else "a signal to another process"
+
+
+def _client():
+    from jax._src import distributed  # the runtime's client: JAX has no public handle on its key-value store
+
+    return distributed.global_state.client
+
+
+def _try_get(client, key: str) -> str | None:
+    try:
+        return client.key_value_try_get(key)
+    except Exception:  # absent
+        return None
+
+
+@contextlib.contextmanager
+def stop_requests(exit_process: bool) -> Iterator[StopRequest]:
+    """The run's StopRequest (`exit_process`: a stop at once ends the process), its handlers installed for SIGTERM and SIGINT (each unless the process was started
+    ignoring it, as a shell starts a background job's SIGINT) and put back on exit."""
+    request, previous = StopRequest(exit_process), {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        with contextlib.suppress(ValueError):  # not the main thread: signals stay with the caller
+            previous[sig] = signal.signal(sig, request._on_signal)
+    try:
+        yield request
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
