@@ -75,7 +75,7 @@ def _start(state: dict, mirrored: dict, start_step: int) -> tuple[dict, dict]:
     owner = {key: state.get(key, value) for key, value in mirrored.items()}
     if not state.get("id") or owner != mirrored:
         changed = "the workdir's run" if owner["run"] != mirrored["run"] else "the project or entity"
-        return _new_run(state, f"W&B run {state.get('id')} mirrors another run ({changed} changed)")
+        return _new_run(state, f"run {state.get('id')} mirrors another run ({changed} changed)")
     if state["sent"] > state["agreed"]:
         # Steps past "agreed" were sent by a run that stopped without saving them (a kill), or were trained again
         # since (a resume from an earlier checkpoint): the steps trained again replace them.

@@ -533,7 +533,7 @@ def test_a_new_streamed_run_that_stops_before_its_first_step_leaves_neither_work
         raise KeyboardInterrupt
 
     monkeypatch.setattr(train_loop.fit if interrupted_in == "fit" else eras.Reader, interrupted_in, interrupted)
-    with pytest.raises(train_loop.StoppedBeforeFirstStep):
+    with pytest.raises(train_loop.StoppedAtOnce, match="before the first step"):
         train_loop.train(config, workdir, devices=jax.devices()[:1])
     assert not os.path.exists(workdir)
     assert glob.glob(str(tmp_path / "cache" / "tokens" / "*" / "val.bin"))  # the shared validation cache stays

@@ -12,7 +12,8 @@ import struct
 import jax
 import pytest
 
-from andrea_jax import train_loop
+from andrea_jax import run_dir, train_loop
+from andrea_jax.runtime import stop
 from tests.test_train_loop import loop_config, losses
 
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
@@ -90,8 +91,9 @@ def test_an_offline_wandb_run_holds_the_logged_losses_and_a_resume_continues_it(
     assert losses(workdir) == losses(plain_run[1])  # W&B changes nothing the run computes
     runs, config = wandb_history(workdir)
     (run_id, rows), = runs.items()
-    assert json.load(open(os.path.join(workdir, "wandb.json"))) == {"id": run_id, "logged_through": 8,
-                                                                     "workdir": os.path.realpath(workdir)}
+    assert json.load(open(os.path.join(workdir, "wandb.json"))) == {
+        "id": run_id, "sent": 8, "agreed": 8, "run": run_dir.identity(workdir), "project": "andrea-tests",
+        "entity": None}
     assert config["seed"] == 0 and config["optimizer"]["learning_rate"] == 3e-3  # the run's config
     assert [(row["_step"], row["loss"]) for row in rows if "loss" in row] == [(s, pytest.approx(v, rel=1e-12))
                                                                               for s, v in losses(workdir)]
@@ -153,9 +155,9 @@ def test_a_resume_from_an_earlier_checkpoint_rewinds_the_wandb_run_to_it(tmp_pat
     assert logged(second) == as_logged(workdir, after=4) and [step for step, _ in logged(second)] == [6, 8]
     assert logged(second, "val_loss") == as_logged(workdir, "val_loss", after=4)
     assert logged(first)[2:] != logged(second)  # the lower rate's losses, which W&B had no other way to get
-    assert (f"W&B: run {run_id} is rewound to step 4, the checkpoint this run starts from: its steps 5 to 8 are "
-            f"replaced by the ones trained now") in err.splitlines()
-    assert state(workdir)["logged_through"] == 8
+    assert (f"W&B: run {run_id} is rewound to step 4: its steps 5 to 8 are replaced by metrics.jsonl's and the "
+            f"ones trained now") in err.splitlines()
+    assert state(workdir)["sent"] == 8
 
 
 @needs_wandb
@@ -170,19 +172,20 @@ def test_a_copied_workdir_gets_a_wandb_run_of_its_own_and_a_moved_one_keeps_its_
     train_loop.train(loop_config(tmp_path, steps=12, **WANDB), copy, devices=jax.devices()[:1])
     err = capfd.readouterr().err
     own = state(copy)["id"]
-    assert own != run_id and state(copy) == {"id": own, "logged_through": 12, "workdir": os.path.realpath(copy)}
+    assert own != run_id and state(copy)["sent"] == 12 and state(copy)["run"] == run_dir.identity(copy)
+    assert run_dir.identity(copy) != run_dir.identity(original)
     (branch, rows), = [(branch, rows) for run, branch, _, rows in wandb_sessions(copy) if run == own]
-    assert branch == (run_id, 8)  # forked where the original's run and the copy's metrics.jsonl part
-    assert logged(rows) == as_logged(copy, after=8) and [step for step, _ in logged(rows)] == [10, 12]
-    assert (f"W&B: {copy} is a copy of {os.path.realpath(original)}: its records go to a W&B run of its own, "
-            f"{own}, forked from {run_id} at step 8") in err.splitlines()
+    assert branch is None  # a new run, sent the whole of the copy's metrics.jsonl: no preview feature needed
+    assert logged(rows) == as_logged(copy) and [step for step, _ in logged(rows)] == [2, 4, 6, 8, 10, 12]
+    assert (f"W&B: run {run_id} mirrors another run (the workdir's run changed): the records go to a new W&B run, "
+            f"{own}, sent the whole of metrics.jsonl") in err.splitlines()
     assert state(original)["id"] == run_id
     # Moved rather than copied (nothing holds the run where it was): the same W&B run goes on.
     moved = str(tmp_path / "moved")
     os.rename(original, moved)
     train_loop.train(loop_config(tmp_path, steps=12, **WANDB), moved, devices=jax.devices()[:1])
     assert [(run, branch) for run, branch, _, _ in wandb_sessions(moved)] == [(run_id, None), (run_id, None)]
-    assert state(moved) == {"id": run_id, "logged_through": 12, "workdir": os.path.realpath(moved)}
+    assert state(moved)["id"] == run_id and state(moved)["sent"] == 12
 
 
 @needs_wandb
@@ -202,8 +205,58 @@ def test_steps_trained_while_wandb_was_unreachable_reach_it_on_resume(tmp_path, 
     (run_id, rows), = wandb_history(workdir)[0].items()
     assert logged(rows) == as_logged(workdir) and [step for step, _ in logged(rows)] == [2, 4, 6, 8, 10, 12]
     assert logged(rows, "val_loss") == as_logged(workdir, "val_loss")
-    assert (f"W&B: sending steps 2 to 8 from metrics.jsonl, which run {run_id} lacks (trained while W&B was off "
-            f"or could not be reached)") in err.splitlines()
+    assert f"W&B: sending steps 2 to 8 from metrics.jsonl, which run {run_id} lacks" in err.splitlines()
+
+
+@needs_wandb
+def test_a_timeline_discarded_while_wandb_was_off_is_rewound_when_it_is_on_again(tmp_path, monkeypatch, capfd):
+    """Trained to 8 with W&B; resumed from 4 with W&B off and another rate; then a start with W&B on. W&B must
+    hold the steps trained again, not the discarded ones."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    workdir = str(tmp_path / "run")
+    train_loop.train(loop_config(tmp_path, **WANDB), workdir, devices=jax.devices()[:1])
+    run_id = state(workdir)["id"]
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+    train_loop.train(loop_config(tmp_path, **{"optimizer.learning_rate": 1e-3}), workdir, devices=jax.devices()[:1])
+    assert state(workdir)["agreed"] == 4 and state(workdir)["sent"] == 8
+    capfd.readouterr()
+    train_loop.train(loop_config(tmp_path, **WANDB, **{"optimizer.learning_rate": 1e-3}), workdir,
+                     devices=jax.devices()[:1])  # nothing left to train: W&B is brought level
+    (first_id, _, _, first), (again, branch, _, second) = wandb_sessions(workdir)
+    assert again == first_id == run_id and branch == (run_id, 4)
+    assert logged(second) == as_logged(workdir, after=4) and logged(first)[2:] != logged(second)
+    assert state(workdir)["sent"] == state(workdir)["agreed"] == 8
+
+
+@needs_wandb
+def test_a_refused_rewind_starts_a_new_run_with_all_of_metrics_jsonl_and_wandb_stays_on(tmp_path, monkeypatch,
+                                                                                        capfd):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    workdir = str(tmp_path / "run")
+    train_loop.train(loop_config(tmp_path, **WANDB), workdir, devices=jax.devices()[:1])
+    run_id = state(workdir)["id"]
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+    init = wandb.init
+
+    def refusing(**kwargs):
+        if "resume_from" in kwargs:
+            raise wandb.errors.CommError("cannot rewind a run that is not in a terminal state")
+        return init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", refusing)
+    capfd.readouterr()
+    train_loop.train(loop_config(tmp_path, **WANDB), workdir, devices=jax.devices()[:1])
+    err = capfd.readouterr().err
+    new_id = state(workdir)["id"]
+    assert new_id != run_id and (f"W&B: W&B refused to rewind run {run_id} (cannot rewind a run that is not in a "
+                                 f"terminal state): the records go to a new W&B run, {new_id}, sent the whole of "
+                                 f"metrics.jsonl") in err.splitlines()
+    (branch, rows), = [(branch, rows) for run, branch, _, rows in wandb_sessions(workdir) if run == new_id]
+    assert branch is None and logged(rows) == as_logged(workdir)
+    train_loop.train(loop_config(tmp_path, steps=10, **WANDB), workdir, devices=jax.devices()[:1])  # on, and goes on
+    assert state(workdir)["id"] == new_id and state(workdir)["sent"] == 10
 
 
 def test_a_trace_of_steps_3_to_5_names_the_train_step_and_changes_no_loss(tmp_path, plain_run):
@@ -231,15 +284,15 @@ def test_a_trace_cut_by_a_stop_says_what_it_holds_and_the_resume_traces_the_rest
                                                                                   plain_run):
     workdir = str(tmp_path / "run")
     directory = os.path.join(workdir, "profile", "process_0")
-    agreed = train_loop._agreed
-    monkeypatch.setattr(train_loop, "_agreed", lambda local_stop, done, config: done == 4)  # a SIGTERM in step 4
+    agreed = stop.StopRequest.agreed
+    monkeypatch.setattr(stop.StopRequest, "agreed", lambda self, done, waited_out=False: done == 4)  # SIGTERM in 4
     assert train_loop.train(loop_config(tmp_path, profile_steps="3:6"), workdir,
                             devices=jax.devices()[:1])["stopped_at"] == 4
     assert (f"the trace of steps 3 to 6 stopped with the run after step 4: {directory} holds steps 3 to 4; a resume "
             f"traces the steps after its checkpoint up to 6") in capsys.readouterr().out.splitlines()
     first = glob.glob(os.path.join(directory, "plugins", "profile", "*", "*.xplane.pb"))
     assert len(first) == 1
-    monkeypatch.setattr(train_loop, "_agreed", agreed)
+    monkeypatch.setattr(stop.StopRequest, "agreed", agreed)
     train_loop.train(loop_config(tmp_path, profile_steps="3:6"), workdir, devices=jax.devices()[:1])
     assert (f"traced steps 5 to 6 into {directory}; steps 3 to 4 ran before the resume, their trace in a directory "
             f"of its own (README, \"Watching a run\", says how to read it)") in capsys.readouterr().out.splitlines()

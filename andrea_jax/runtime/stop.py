@@ -1,9 +1,11 @@
 """The run's one stop request: SIGTERM and SIGINT set it, every wait polls it (docs/lifecycle.md, "Stop").
 
-A signal handler here only notes the signal, or ends the process at once: it never raises into the code it
-lands in (a KeyboardInterrupt thrown into JAX's callbacks while a step compiles is dropped, or crashes the
-interpreter at exit). Before the first step a request ends the run at once; from then on the loop stops at
-the next step boundary, after saving, and a second Ctrl-C ends it at once unless a save is in flight.
+A signal handler here only notes the signal, or stops at once. In train.py a stop at once ends the process from
+the handler, raising nothing into the code it lands in (a KeyboardInterrupt thrown into JAX's callbacks while a
+step compiles is dropped, and one that ends the interpreter under XLA's threads can crash it at exit); where the
+process lives on (a notebook's kernel) it raises KeyboardInterrupt, as Python does. Before the first step a
+request stops at once; from then on the loop stops at the next step boundary, after saving, and a second
+Ctrl-C stops at once unless a save is in flight.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ class StopRequest:
     def _on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         self.received.append(name)
-        again = name == "SIGINT" and self.received.count("SIGINT") > 1
+        # With several processes a second Ctrl-C is a note too: a process gone at once would leave the others
+        # waiting in their next collective.
+        again = name == "SIGINT" and self.received.count("SIGINT") > 1 and jax.process_count() == 1
         if self.training and not (again and not self.saving()):
             return  # only a note: the loop stops at its next step boundary
         if not self.exit_process:
