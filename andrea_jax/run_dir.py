@@ -230,17 +230,16 @@ def _claim(cache_dir: str, run_id: str, token: str, ours: set, workdir: str) -> 
         os.makedirs(os.path.join(cache_dir, "runs"), exist_ok=True)
         descriptor = os.open(os.path.join(cache_dir, "runs", f"{run_id}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
         last = re.search(r"start (\w+) in ((\S+):\d+:\d+)$", os.pread(descriptor, 400, 0).decode("utf-8", "replace"))
-        descriptor = lock(descriptor, f", start {token} in {here}")
+        # The inode tells a copy from its original on this host only: on another it may be another disk's.
+        another_directory = last is not None and last.group(3) == socket.gethostname() and last.group(2) != here
+        if last is not None and (last.group(1) not in ours or another_directory):
+            os.close(descriptor)  # the claim stays the other workdir's
+            return None, "claimed by another workdir since this one last ran"
+        return lock(descriptor, f", start {token} in {here}"), None
     except Held as held:
         return None, f"held by a live run ({held})"
     except OSError:  # a cache the run cannot lock in: the id is kept, unguarded (its data work says what fails)
         return None, None
-    # The inode tells a copy from its original on this host only: on another it may be another disk's.
-    another_directory = last is not None and last.group(3) == socket.gethostname() and last.group(2) != here
-    if last is not None and (last.group(1) not in ours or another_directory):
-        os.close(descriptor)
-        return None, "claimed by another workdir since this one last ran"
-    return descriptor, None
 
 
 def _read_json(path: str) -> dict:

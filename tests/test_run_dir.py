@@ -235,3 +235,47 @@ def test_a_run_refused_at_the_lock_leaves_the_holder_s_lock_and_directory(tmp_pa
         assert os.listdir(workdir) == [run_dir.LOCK_FILE]
     finally:
         os.close(held)
+
+
+def claimed(workdir, cache):
+    """The id a start claims, its hold let go (the run ended)."""
+    run_id, descriptor = run_dir.claim_identity(workdir, cache)
+    if descriptor is not None:
+        os.close(descriptor)
+    return run_id
+
+
+def test_a_copied_workdir_takes_an_identity_of_its_own_and_a_moved_one_keeps_its(tmp_path, capsys):
+    cache = str(tmp_path / "cache")
+    original, copy, moved = (str(tmp_path / name) for name in ("original", "copy", "moved"))
+    os.makedirs(original)
+    first = claimed(original, cache)
+    assert claimed(original, cache) == first  # the same workdir again: the same run
+    shutil.copytree(original, copy)
+    # While the original runs, a copy started beside it is another run.
+    running = run_dir.claim_identity(original, cache)[1]
+    concurrent = claimed(copy, cache)
+    os.close(running)
+    assert concurrent != first and "it becomes run" in capsys.readouterr().out
+    # Copied while stopped: the copy's first start tells it by its directory, the original keeps its id.
+    shutil.rmtree(copy)
+    shutil.copytree(original, copy)
+    copied = claimed(copy, cache)
+    assert copied not in (first, concurrent) and "claimed by another workdir" in capsys.readouterr().out
+    os.rename(original, moved)  # a rename keeps the directory: the same run
+    assert claimed(moved, cache) == first and run_dir.identity(moved) == first and run_dir.identity(copy) == copied
+    # Another machine's cache (none here) knows no claim: the workdir is the run it was.
+    assert claimed(copy, str(tmp_path / "another_cache")) == copied
+
+
+def test_a_workdir_whose_token_another_start_replaced_takes_a_new_identity(tmp_path):
+    """The original of a copy that started first (on this host, by token; elsewhere the token alone tells)."""
+    cache, workdir = str(tmp_path / "cache"), str(tmp_path / "w")
+    os.makedirs(workdir)
+    first = claimed(workdir, cache)
+    kept = open(os.path.join(workdir, run_dir.IDENTITY_FILE)).read()
+    claimed(workdir, cache)  # two starts the workdir then forgets (as a copy's would be)
+    claimed(workdir, cache)
+    with open(os.path.join(workdir, run_dir.IDENTITY_FILE), "w") as f:
+        f.write(kept)
+    assert claimed(workdir, cache) != first
