@@ -177,7 +177,7 @@ def score(restored: Restored, split: TokenSplit, batches: int) -> dict:
         "tokens": tokens, "bytes": num_bytes, "fraction_of_split": fraction,
         "batches": -(-windows // batch_size), "batch_size": batch_size, "seq_len": seq_len,
         "split_tokens": split.num_tokens, "split_bytes": split.num_bytes,
-        "mesh": sharding.describe(mesh),
+        "mesh": sharding.describe(mesh), "dtype": config.model.dtype, "attention": config.model.attention,
     }
 
 

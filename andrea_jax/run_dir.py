@@ -91,18 +91,17 @@ def check_compatible(saved: ml_collections.ConfigDict, config: ml_collections.Co
             continue
         if key == "model.vocab_size" and 0 in (old[key], value):
             continue
+        if only:  # evaluation: the checkpoint's model is built as it was trained
+            raise ConfigError(f"{workdir} holds a run with {key}={old[key]!r}, not {value!r}; pass "
+                              f"--config.{key}={old[key]!r}")
         raise ConfigError(f"{workdir} holds a run with {key}={old[key]!r}, which a resume cannot change to "
-                          f"{value!r}; pass --config.{key}={_flag_value(old[key])} to resume it, or start a new "
-                          f"--workdir from its checkpoint with --config.init_params_from={workdir}")
+                          f"{value!r}; pass --config.{key}={old[key]!r} to resume it, or start a new --workdir "
+                          f"from its checkpoint with --config.init_params_from={workdir}")
 
 
 def _same(old, new) -> bool:
     as_list = lambda value: [as_list(item) for item in value] if isinstance(value, (list, tuple)) else value
     return as_list(old) == as_list(new)
-
-
-def _flag_value(value) -> str:
-    return f"'{value}'" if isinstance(value, str) else str(value)
 
 
 def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:

@@ -55,7 +55,7 @@ def test_eval_py_on_one_device_reports_loss_perplexity_bits_per_byte_a_sample_a_
     # The same two validation batches the training loop scored at step 10 on 8 devices.
     logged = [r["val_loss"] for r in metrics.read(trained) if r["step"] == 10 and "val_loss" in r]
     assert report["loss"] == pytest.approx(logged[0], rel=1e-5)
-    assert report["tokens"] == 2 * 8 * 32 and report["batches"] == 2
+    assert report["tokens"] == 2 * 8 * 32 and report["batches"] == 2 and report["dtype"] == "float32"
     assert report["perplexity"] == pytest.approx(math.exp(report["loss"]), rel=1e-12)
     manifest = val_manifest(trained)
     assert (report["split_tokens"], report["split_bytes"]) == (manifest["num_tokens"], manifest["num_bytes"])

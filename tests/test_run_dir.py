@@ -279,3 +279,24 @@ def test_a_workdir_whose_token_another_start_replaced_takes_a_new_identity(tmp_p
     with open(os.path.join(workdir, run_dir.IDENTITY_FILE), "w") as f:
         f.write(kept)
     assert claimed(workdir, cache) != first
+
+
+def test_a_start_with_nothing_to_train_leaves_config_json_as_it_was(copy_of):
+    config, workdir = copy_of
+    path = os.path.join(workdir, run_dir.CONFIG_FILE)
+    before = (open(path).read(), os.stat(path).st_ino)
+    train_loop.train(config, workdir, devices=jax.devices()[:1])  # finished: no step trains
+    assert (open(path).read(), os.stat(path).st_ino) == before  # not even rewritten alike
+
+
+def test_init_params_from_starts_a_new_workdir_with_another_seq_len_from_the_checkpoint(trained, tmp_path, capsys):
+    config, workdir = trained
+    changed = config.copy_and_resolve_references()
+    changed.update(dict(seq_len=16, steps=1, log_every=1, init_params_from=workdir))
+    changed.data.tokenizer = os.path.join(workdir, "tokenizer.json")  # the checkpoint's tokenizer
+    fresh = changed.copy_and_resolve_references()
+    fresh.init_params_from = ""
+    started = train_loop.train(changed, str(tmp_path / "from_checkpoint"), devices=jax.devices()[:1])["loss"]
+    assert "the parameters start from step 10 of " in capsys.readouterr().out
+    anew = train_loop.train(fresh, str(tmp_path / "anew"), devices=jax.devices()[:1])["loss"]
+    assert started < anew - 0.2  # the trained parameters' first step, against an initialisation's

@@ -92,10 +92,18 @@ class EraCache:
         return order.Layout(self.total_tokens(), seq_len, self.era_tokens, seed, breaks)
 
     def built(self, era: int) -> bool:
-        """Whether era `era` is on disk whole, by its manifest and its file's size (the cheap check)."""
+        """Whether era `era` is on disk whole and the run's, by its manifest and its file's size (the cheap check)."""
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            return os.path.getsize(self.paths(era)[0]) == int(self.manifest(era)["num_tokens"]) * TOKEN_BYTES
+            manifest = self.manifest(era)
+            return (os.path.getsize(self.paths(era)[0]) == int(manifest["num_tokens"]) * TOKEN_BYTES
+                    and self._starts_as_recorded(era, manifest))
         return False
+
+    def _starts_as_recorded(self, era: int, manifest: dict) -> bool:
+        """Whether the era begins where the run's record says its era `era` begins: an era another run's layout
+        put there is never read (an era built before manifests said where they begin is taken as it is)."""
+        recorded = self.record().get("starts", {}).get(str(era))
+        return not self.encoded_beside_training or "start" not in manifest or manifest["start"] == recorded
 
     def verified(self, era: int) -> np.ndarray | None:
         """Era `era`'s tokens (a read-only memmap) once its manifest is written, else None; an era whose tokens
@@ -103,6 +111,9 @@ class EraCache:
         in one line."""
         fix = (f"delete {os.path.basename(self.paths(era)[1])} there and run the same command to resume: the era is "
                f"encoded again")
+        with contextlib.suppress(OSError, ValueError):
+            if not self._starts_as_recorded(era, self.manifest(era)):
+                return None  # the encoder builds the run's own in its place
         # A split of one era was checked when it was prepared, before the first step, by its manifest and size.
         split = token_cache.read(*self.paths(era), fix, f"era {era} of the training split in {self.directory}",
                                  checksum=self.encoded_beside_training)
@@ -156,7 +167,7 @@ def build_era(cache: EraCache, era: int, documents: StreamedDocuments, tokenizer
         _record_start(cache, era, None, final_tokens=first_token)
         return None, 0
     _record_start(cache, era + 1, next_start, final_tokens=None if next_start else first_token + written)
-    atomic.write(manifest_path, json.dumps({"era": era, **manifest}, indent=1))
+    atomic.write(manifest_path, json.dumps({"era": era, "start": start, **manifest}, indent=1))
     per_second = lambda count: count / max(seconds, 1e-9) / 1e6
     log(f"era {era} encoded: {written:,} tokens in {seconds:.1f} s ({per_second(manifest['num_bytes']):.1f} MB/s of "
         f"text, {per_second(written):.2f} M tokens/s)")

@@ -34,7 +34,7 @@ class StopRequest:
         # or raises KeyboardInterrupt where the process lives on (a notebook's kernel).
         self.exit_process, self.clean_ups = exit_process, []
         self.line_at_once: Callable[[str, bool], str] = lambda name, training: f"stopped at once by {name}"
-        self._published = False
+        self._published, self._vote = False, None
 
     def _on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -72,13 +72,18 @@ class StopRequest:
         if jax.process_count() == 1:
             return local
         client, prefix = _client(), f"andrea_jax/step{done}/"
-        client.key_value_set(f"{prefix}{jax.process_index()}", "1" if local else "0")
+        self._forget_vote()  # the previous step's: every process has read it
+        self._vote = f"{prefix}{jax.process_index()}"
+        client.key_value_set(self._vote, "1" if local else "0")
         while len(votes := client.key_value_dir_get(prefix)) < jax.process_count():
             self.requested()  # publishes a request that came meanwhile, for a process waiting for its era
             time.sleep(_POLL_S)
-        with contextlib.suppress(Exception):  # a vote every process has read: the previous step's
-            client.key_value_delete(f"andrea_jax/step{done - 1}/{jax.process_index()}")
         return any(value == "1" for _, value in votes)
+
+    def _forget_vote(self) -> None:
+        if self._vote is not None:
+            with contextlib.suppress(Exception):
+                _client().key_value_delete(self._vote)
 
     def reason(self) -> str:
         return self.received[0] if self.received else "a signal to another process"
@@ -99,8 +104,9 @@ def _try_get(client, key: str) -> str | None:
 
 @contextlib.contextmanager
 def stop_requests(exit_process: bool) -> Iterator[StopRequest]:
-    """The run's StopRequest (`exit_process`: a stop at once ends the process), its handlers installed for SIGTERM and SIGINT (each unless the process was started
-    ignoring it, as a shell starts a background job's SIGINT) and put back on exit."""
+    """The run's StopRequest (`exit_process`: a stop at once ends the process), its handlers installed for
+    SIGTERM and SIGINT (each unless the process was started ignoring it, as a shell starts a background job's
+    SIGINT) and put back on exit, with its keys in the runtime's store (a later run in these processes)."""
     request, previous = StopRequest(exit_process), {}
     for sig in (signal.SIGTERM, signal.SIGINT):
         if signal.getsignal(sig) == signal.SIG_IGN:
@@ -112,3 +118,7 @@ def stop_requests(exit_process: bool) -> Iterator[StopRequest]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        request._forget_vote()
+        if request._published:
+            with contextlib.suppress(Exception):
+                _client().key_value_delete(_KEY)
