@@ -1,7 +1,8 @@
-"""The run directory: its resolved config, and the checks that keep runs apart.
+"""The run directory: its resolved config, its lock and its identity, and the checks that keep runs apart.
 
-A workdir holds one run. Resuming it with a config that changes the model's shape, or pointing a run at a
-directory that holds something else, stops with one line before anything in it is touched.
+A workdir holds one run (docs/lifecycle.md). Resuming it with a change `RESUMABLE` does not allow, pointing a
+run at a directory that holds something else, or at one another run holds, stops with one line before
+anything in it is touched.
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
             with contextlib.ExitStack() as held:
                 return _train(config, workdir, devices, held, request)
         except KeyboardInterrupt:  # a stop at once, where the process lives on; a save under way was finished
-            raise StoppedAtOnce(_stopped_at_once(workdir, "Ctrl-C", request.training)) from None
+            name = request.received[-1] if request.received else "SIGINT"
+            raise StoppedAtOnce(_stopped_at_once(workdir, stop.spoken(name), request.training)) from None
 
 
 class StoppedAtOnce(UserError):

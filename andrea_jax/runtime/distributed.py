@@ -44,7 +44,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             raise ConfigError(f"--coordinator_address={coordinator_address} is not host:port; e.g. 10.0.0.2:1234")
     elif not cluster_detected():
         return False
-    # The training loop takes SIGTERM itself (train_loop._stop_signals). JAX's preemption service
+    # The training loop takes SIGTERM itself (runtime/stop.py). JAX's preemption service
     # would install its own handler first, which swallows a SIGTERM that comes before the loop
     # (data preparation, restore, compilation): the process ran on until the scheduler's SIGKILL.
     # Without it such a SIGTERM ends the process at once, as it does a single-process run.

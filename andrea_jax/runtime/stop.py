@@ -51,7 +51,7 @@ class StopRequest:
                 clean_up()
         with contextlib.suppress(Exception):  # the buffered streams may be mid-write in the main thread
             sys.stdout.flush()
-        os.write(2, f"\nerror: {self.line_at_once('Ctrl-C' if name == 'SIGINT' else name, self.training)}\n".encode())
+        os.write(2, f"\nerror: {self.line_at_once(spoken(name), self.training)}\n".encode())
         os._exit(2)  # no interpreter teardown under XLA's threads; the kernel drops the run's locks
 
     def requested(self) -> bool:
@@ -87,6 +87,11 @@ class StopRequest:
 
     def reason(self) -> str:
         return self.received[0] if self.received else "a signal to another process"
+
+
+def spoken(signal_name: str) -> str:
+    """A signal as a user names it: Ctrl-C for SIGINT."""
+    return "Ctrl-C" if signal_name == "SIGINT" else signal_name
 
 
 def _client():
