@@ -222,6 +222,17 @@ def claim_identity(workdir: str, cache_dir: str) -> tuple[str, int | None]:
     return run_id, descriptor
 
 
+def unclaim(cache_dir: str, run_id: str) -> None:
+    """Removes a new run's claim of `run_id` and the directories it made (a run that stops before its first
+    step leaves the cache as it found it)."""
+    runs = os.path.join(cache_dir, "runs")
+    for remove, path in ((os.remove, os.path.join(runs, f"{run_id}.lock")), (os.rmdir, runs), (os.rmdir, cache_dir)):
+        try:
+            remove(path)
+        except OSError:  # another run's claims are there, or the cache holds more
+            return
+
+
 def _claim(cache_dir: str, run_id: str, token: str, ours: set, workdir: str) -> tuple[int | None, str | None]:
     """(the descriptor of the id's lock, what else claimed the id: None if nothing did)."""
     status = os.stat(workdir)

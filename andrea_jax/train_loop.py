@@ -73,9 +73,13 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
             request.clean_ups.append(partial(_remove_if_unstarted, workdir, first_step_started, KeyboardInterrupt))
         if saved is None:
             run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
-        _, descriptor = run_dir.claim_identity(workdir, sources.cache_dir_of(config.data))
+        run_id, descriptor = run_dir.claim_identity(workdir, sources.cache_dir_of(config.data))
         if descriptor is not None:
             held.callback(os.close, descriptor)
+        if created:
+            unclaim = partial(_unclaim_if_unstarted, sources.cache_dir_of(config.data), run_id, first_step_started)
+            held.push(unclaim)
+            request.clean_ups.append(partial(unclaim, KeyboardInterrupt))
         # The step it resumes at decides whether a larger stream budget can go on where the run's ended.
         prepared = pipeline.prepare(config, workdir, is_leader=True, first_step=max(_saved_steps(workdir), default=0))
         if created and prepared.train.encoded_beside_training:  # the eras of a new run are its own, keyed by its id
@@ -136,6 +140,12 @@ def _remove_if_unstarted(workdir: str, first_step_started: Callable[[], bool], f
     with contextlib.suppress(OSError):
         if failure is not None and (not first_step_started() or set(os.listdir(workdir)) <= _START_UP_FILES):
             shutil.rmtree(also or workdir)
+
+
+def _unclaim_if_unstarted(cache_dir: str, run_id: str, first_step_started: Callable[[], bool],
+                          failure: type | None, *_) -> None:
+    if failure is not None and not first_step_started():
+        run_dir.unclaim(cache_dir, run_id)
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None, held: contextlib.ExitStack,

@@ -172,7 +172,7 @@ def test_a_new_run_that_stops_before_its_first_step_leaves_no_workdir(tmp_path):
         # A run that took steps keeps its workdir whatever stops it later.
         workdir = str(tmp_path / "kept")
         train_loop.train(loop_config(tmp_path, steps=2, checkpoint_every=2), workdir, devices=jax.devices()[:1])
-        with pytest.raises(DataError, match="cannot download"):
+        with pytest.raises(ConfigError, match="data.source=.* which a resume cannot change"):
             train_loop.train(config, workdir, devices=jax.devices()[:1])
     assert {"checkpoints", "config.json", "metrics.jsonl"} <= set(os.listdir(workdir))
     # A run that cannot take a new workdir's lock (another run holds it) leaves that run's files alone.
@@ -314,8 +314,8 @@ def test_a_run_resumed_with_another_optimizer_stops_with_one_line_and_loses_noth
     shutil.copytree(trained, workdir)
     before = {path: os.path.getmtime(os.path.join(directory, path)) for directory, _, files in os.walk(workdir)
               for path in files}
-    with pytest.raises(ConfigError, match="holds a run trained with optimizer.name='muon', whose optimizer state "
-                                          "'adamw' cannot take; pass --config.optimizer.name=muon, or use a new"):
+    with pytest.raises(ConfigError, match="holds a run with optimizer.name='muon', which a resume cannot change to "
+                                          "'adamw'; pass --config.optimizer.name='muon' to resume it"):
         train_loop.train(loop_config(root, steps=12), workdir, devices=jax.devices()[:1])
     assert {path: os.path.getmtime(os.path.join(directory, path)) for directory, _, files in os.walk(workdir)
             for path in files} == before

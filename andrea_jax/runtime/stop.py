@@ -34,7 +34,7 @@ class StopRequest:
         # or raises KeyboardInterrupt where the process lives on (a notebook's kernel).
         self.exit_process, self.clean_ups = exit_process, []
         self.line_at_once: Callable[[str, bool], str] = lambda name, training: f"stopped at once by {name}"
-        self._published, self._vote = False, None
+        self._published, self._vote, self._last_vote = False, None, None
 
     def _on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -72,9 +72,11 @@ class StopRequest:
         if jax.process_count() == 1:
             return local
         client, prefix = _client(), f"andrea_jax/step{done}/"
-        self._forget_vote()  # the previous step's: every process has read it
-        self._vote = f"{prefix}{jax.process_index()}"
-        client.key_value_set(self._vote, "1" if local else "0")
+        # The vote of two steps back: every process voted at the last step, so each has read that one. (The last
+        # step's may still be read by a process that has not passed it: this one's host runs ahead of its step.)
+        self._forget_vote()
+        self._vote, self._last_vote = self._last_vote, f"{prefix}{jax.process_index()}"
+        client.key_value_set(self._last_vote, "1" if local else "0")
         while len(votes := client.key_value_dir_get(prefix)) < jax.process_count():
             self.requested()  # publishes a request that came meanwhile, for a process waiting for its era
             time.sleep(_POLL_S)
@@ -123,7 +125,7 @@ def stop_requests(exit_process: bool) -> Iterator[StopRequest]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        request._forget_vote()
+        request._forget_vote()  # the last vote stays: a process may be reading it still
         if request._published:
             with contextlib.suppress(Exception):
                 _client().key_value_delete(_KEY)
