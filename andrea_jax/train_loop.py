@@ -65,27 +65,28 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
             config.model.vocab_size = tokenizers.load(tokenizer_path).vocab_size
         run_dir.check_compatible(saved, config, workdir)
 
+    def undo_if_unstarted(undo: Callable[[], None]) -> None:
+        """`undo()` where the new run fails or stops at once before its first step: at the exit of `held`
+        (before the lock is released), or in the stop's clean-up before the process ends; the latest first."""
+        held.push(partial(_undo_if_unstarted, workdir, first_step_started, undo))
+        request.clean_ups.insert(0, partial(_undo_if_unstarted, workdir, first_step_started, undo, KeyboardInterrupt))
+
     def as_leader():
         created = not os.path.lexists(workdir)
         held.callback(os.close, run_dir.hold(workdir))  # one run per workdir: before anything is written to it
-        if created:  # exits before the lock is released; a stop at once does it before the process ends
-            held.push(partial(_remove_if_unstarted, workdir, first_step_started))
-            request.clean_ups.append(partial(_remove_if_unstarted, workdir, first_step_started, KeyboardInterrupt))
+        if created:
+            undo_if_unstarted(partial(shutil.rmtree, workdir))
         if saved is None:
             run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
         run_id, descriptor = run_dir.claim_identity(workdir, sources.cache_dir_of(config.data))
         if descriptor is not None:
             held.callback(os.close, descriptor)
         if created:
-            unclaim = partial(_unclaim_if_unstarted, sources.cache_dir_of(config.data), run_id, first_step_started)
-            held.push(unclaim)
-            request.clean_ups.append(partial(unclaim, KeyboardInterrupt))
+            undo_if_unstarted(partial(run_dir.unclaim, sources.cache_dir_of(config.data), run_id))
         # The step it resumes at decides whether a larger stream budget can go on where the run's ended.
         prepared = pipeline.prepare(config, workdir, is_leader=True, first_step=max(_saved_steps(workdir), default=0))
         if created and prepared.train.encoded_beside_training:  # the eras of a new run are its own, keyed by its id
-            remove_eras = partial(_remove_if_unstarted, workdir, first_step_started, also=prepared.train.directory)
-            held.push(remove_eras)
-            request.clean_ups.insert(0, partial(remove_eras, KeyboardInterrupt))
+            undo_if_unstarted(partial(shutil.rmtree, prepared.train.directory))
         return prepared
 
     prepared = leader_first(leader, as_leader, lambda: pipeline.prepare(config, workdir, is_leader=False),
@@ -131,21 +132,15 @@ def _stopped_at_once(workdir: str, name: str, training: bool) -> str:
             "; run the same command to resume")
 
 
-def _remove_if_unstarted(workdir: str, first_step_started: Callable[[], bool], failure: type | None, *_,
-                         also: str | None = None) -> None:
-    """The exit of a run that created `workdir`: after a failure, removes it (and `also`, its eras) if the
-    failure came before the first step (the checkpoints, metrics and logs opened for it then hold nothing; a
-    Ctrl-C while the first era is encoded lands there), or it holds no more than the start-up writes (called
-    while the run's lock is held, so no other run can be in it)."""
+def _undo_if_unstarted(workdir: str, first_step_started: Callable[[], bool], undo: Callable[[], None],
+                       failure: type | None, *_) -> None:
+    """An exit of a run that created `workdir`: after a failure, `undo()` (remove the workdir, its eras or its
+    claim) if the failure came before the first step (the checkpoints, metrics and logs opened for it then hold
+    nothing; a Ctrl-C while the first era is encoded lands there), or the workdir holds no more than the start-up
+    writes (called while the run's lock is held, so no other run can be in it)."""
     with contextlib.suppress(OSError):
         if failure is not None and (not first_step_started() or set(os.listdir(workdir)) <= _START_UP_FILES):
-            shutil.rmtree(also or workdir)
-
-
-def _unclaim_if_unstarted(cache_dir: str, run_id: str, first_step_started: Callable[[], bool],
-                          failure: type | None, *_) -> None:
-    if failure is not None and not first_step_started():
-        run_dir.unclaim(cache_dir, run_id)
+            undo()
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None, held: contextlib.ExitStack,

@@ -70,7 +70,7 @@ def _new_run(state: dict, why: str) -> tuple[dict, dict]:
     return {"id": new_id}, {"id": new_id, "sent": -1, "agreed": -1}
 
 
-def _start(state: dict, mirrored: dict, start_step: int) -> tuple[dict, dict]:
+def _start(state: dict, mirrored: dict) -> tuple[dict, dict]:
     """(wandb.init's arguments that pick the W&B run, its state once started)."""
     owner = {key: state.get(key, value) for key, value in mirrored.items()}
     if not state.get("id") or owner != mirrored:
@@ -102,7 +102,7 @@ class Mirror:
         mirrored = {"run": run_dir.identity(workdir), "project": config.wandb.project,
                     "entity": config.wandb.entity or None}
         try:
-            which, state = _start(_read_state(workdir), mirrored, start_step)
+            which, state = _start(_read_state(workdir), mirrored)
             mode = os.environ.get("WANDB_MODE", "online")
             if mode == "online" and not wandb.login(prompt=False, verify=False):  # init would ask for a key, and wait
                 mode = "offline"

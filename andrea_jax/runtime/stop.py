@@ -58,19 +58,23 @@ class StopRequest:
         """Whether this process, or with several processes any of them, was asked to stop (polled by waits)."""
         if jax.process_count() == 1:
             return bool(self.received)
-        client = _client()
+        return self._publish() or _try_get(_client(), _KEY) is not None
+
+    def _publish(self) -> bool:
+        """Posts this process's request for the others' waits (once); whether there is one."""
         if self.received and not self._published:
-            client.key_value_set(_KEY, "1", allow_overwrite=True)
+            _client().key_value_set(_KEY, "1", allow_overwrite=True)
             self._published = True
-        return self._published or _try_get(client, _KEY) is not None
+        return self._published
 
     def agreed(self, done: int, waited_out: bool = False) -> bool:
         """Whether every process stops after step `done`; `waited_out`: this one's wait for the next batch was
         ended by a request. With several processes each posts its vote and reads all of them (a host round
         trip through the distributed runtime, no device work), polling the request meanwhile."""
-        local = waited_out or self.requested()
         if jax.process_count() == 1:
-            return local
+            return waited_out or bool(self.received)
+        # Its own request only: another's is in that one's vote, at this step or the next.
+        local = waited_out or self._publish()
         client, prefix = _client(), f"andrea_jax/step{done}/"
         # The vote of two steps back: every process voted at the last step, so each has read that one. (The last
         # step's may still be read by a process that has not passed it: this one's host runs ahead of its step.)
@@ -78,7 +82,7 @@ class StopRequest:
         self._vote, self._last_vote = self._last_vote, f"{prefix}{jax.process_index()}"
         client.key_value_set(self._last_vote, "1" if local else "0")
         while len(votes := client.key_value_dir_get(prefix)) < jax.process_count():
-            self.requested()  # publishes a request that came meanwhile, for a process waiting for its era
+            self._publish()  # a request that came meanwhile, for a process waiting for its era
             time.sleep(_POLL_S)
         return any(value == "1" for _, value in votes)
 
