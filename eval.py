@@ -59,13 +59,14 @@ def _define_config_flag(argv: list[str]) -> None:
     if _argument(argv, "config") is not None:
         config_flags.DEFINE_config_file("config", None, _CONFIG_HELP, lock_config=False)
         return
-    from andrea_jax import run_dir
-    from andrea_jax.config import ConfigError
     import ml_collections
+    from andrea_jax import UserError, run_dir
+    from andrea_jax.runtime import storage
     try:
         workdir = _argument(argv, "workdir")
-        saved = run_dir.load_saved_config(workdir) if workdir and os.path.isdir(workdir) else None
-    except ConfigError:
+        with storage.working_copy(workdir or "") as copy:  # of a gs:// workdir: its files, pulled
+            saved = run_dir.load_saved_config(copy.local) if workdir and os.path.isdir(copy.local) else None
+    except UserError:
         saved = None  # main() reports it
     config_flags.DEFINE_config_dict("config", saved or ml_collections.ConfigDict(), _CONFIG_HELP, lock_config=False)
 
@@ -93,10 +94,21 @@ def main(argv):
 
 def _evaluate() -> None:
     import jax
+    from andrea_jax.runtime import storage
+
+    leader = jax.process_index() == 0
+    # Of a gs:// workdir its files, pulled; process 0 writes back what it wrote.
+    written = lambda name: leader and name.startswith(("eval_step", "trace_step", "metrics.png"))
+    with storage.working_copy(_WORKDIR.value, owns=written) as copy:
+        _evaluate_in(copy.local, leader)
+
+
+def _evaluate_in(workdir: str, leader: bool) -> None:
+    import jax
     from andrea_jax import UserError, evaluate
+    from andrea_jax.runtime import storage
     from andrea_jax.runtime.leader_first import leader_first
 
-    workdir, leader = _WORKDIR.value, jax.process_index() == 0
     # The run's own config.json (with any --config.x=y) unless --config names a file; empty: no run here.
     restored = evaluate.restore(workdir, flags.FLAGS.config or None, _STEP.value)
     batches = restored.config.eval_batches if _BATCHES.value is None else _BATCHES.value
@@ -122,7 +134,7 @@ def _evaluate() -> None:
         say(f"step {report['step']}: HellaSwag acc {h['acc']:.4f} ± {h['acc_stderr']:.4f}, acc_norm "
             f"{h['acc_norm']:.4f} ± {h['acc_norm_stderr']:.4f} over {h['examples']:,} of the "
             f"{h['source_examples']:,} examples of {source} (completion style; acc_norm: mean per token)")
-    say(f"wrote {path}", flush=True)
+    say(f"wrote {path and storage.shown(path)}", flush=True)
     if _PROMPT.value is not None:
         text = evaluate.continue_text(restored, _PROMPT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
                                       temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
@@ -136,11 +148,11 @@ def _evaluate() -> None:
         with jax.set_mesh(restored.mesh):
             table = logit_lens.trace(restored.params, restored.config.model, restored.tokenizer, _TRACE.value, png)
         say(table)
-        say(f"wrote {png}", flush=True)
+        say(f"wrote {png and storage.shown(png)}", flush=True)
     if _PLOT.value and leader:
         from andrea_jax.tools import plotting
         try:
-            say(f"wrote {plotting.plot_run(workdir)}", flush=True)
+            say(f"wrote {storage.shown(plotting.plot_run(workdir))}", flush=True)
         except UserError as error:  # no training records yet: the evaluation stands
             say(f"note: no plot: {error}", flush=True)
 

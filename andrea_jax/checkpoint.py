@@ -21,7 +21,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from andrea_jax import UserError
-from andrea_jax.runtime import atomic
+from andrea_jax.runtime import atomic, storage
 from andrea_jax.run_dir import PROJECT
 
 FORMAT_VERSION = 1
@@ -36,7 +36,13 @@ class CheckpointError(UserError):
 
 
 def directory_of(workdir: str) -> str:
-    return os.path.join(os.path.abspath(workdir), "checkpoints")
+    """The checkpoints of `workdir`: of a working copy, on the bucket (`runtime/storage.py`)."""
+    return storage.join(storage.remote_of(workdir) or os.path.abspath(workdir), "checkpoints")
+
+
+def saved_steps(workdir: str) -> list[int]:
+    """The steps of the workdir's checkpoints, read from the directory (no checkpoint manager needed)."""
+    return sorted(int(name) for name in storage.names_in(directory_of(workdir)) if name.isdigit())
 
 
 def abstract_like(tree: Any, shardings: Any) -> Any:
@@ -64,11 +70,13 @@ class Checkpointer:
 
     def __init__(self, workdir: str, keep: int = 3, read_only: bool = False):
         self.directory = directory_of(workdir)
-        self.read_only = read_only
+        self.read_only, remote = read_only, storage.is_remote(self.directory)
+        # Cloud Storage has no rename: a step past `keep` is deleted in place (a killed deletion leaves a step
+        # without Orbax's commit marker, which is never read).
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                                create=not read_only, read_only=read_only,
                                                cleanup_tmp_directories=not read_only,
-                                               todelete_subdir=None if read_only else DELETING_DIR)
+                                               todelete_subdir=None if read_only or remote else DELETING_DIR)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def steps(self) -> list[int]:
@@ -80,12 +88,12 @@ class Checkpointer:
         A save the disk cannot hold is refused before anything is written: one that fails halfway
         fails in Orbax's writer threads, long after the step, in many tracebacks.
         """
-        self._manager.wait_until_finished()  # as save() would: nothing is being renamed into DELETING_DIR now
+        self.wait()  # as save() would: nothing is being renamed into DELETING_DIR now
         self._remove_deleted()
         # The shards this process writes (one copy of each, uncompressed), and 1 MiB for Orbax's metadata and indexes.
         needed = 2**20 + sum(shard.data.nbytes for leaf in jax.tree.leaves(state)
                              for shard in leaf.addressable_shards if shard.replica_id == 0)
-        short = shutil.disk_usage(self.directory).free < needed
+        short = not storage.is_remote(self.directory) and shutil.disk_usage(self.directory).free < needed
         if jax.process_count() > 1:  # all processes refuse together, or none does
             short = bool(multihost_utils.process_allgather(np.int32(short)).any())
         if short:
@@ -95,7 +103,7 @@ class Checkpointer:
         self._manager.save(step, args=ocp.args.Composite(**arrays, meta=ocp.args.JsonSave(meta)), force=True)
 
     def _remove_deleted(self) -> None:
-        if jax.process_index() == 0:  # the process that deletes
+        if jax.process_index() == 0 and not storage.is_remote(self.directory):  # the process that deletes
             shutil.rmtree(os.path.join(self.directory, DELETING_DIR), ignore_errors=True)
 
     def restore(self, abstract_state: dict, step: int | None = None, params_only: bool = False,
@@ -117,7 +125,7 @@ class Checkpointer:
                 check_meta(meta, f"checkpoint step {candidate} in {self.directory}", tokenizer_sha256)
                 # A run that computed in another dtype saved no loss scale: the caller starts one.
                 names = ["params"] if params_only else [item for item in abstract_state if item != "step" and (
-                    item != "loss_scale" or os.path.isdir(os.path.join(self.directory, str(candidate), item)))]
+                    item != "loss_scale" or storage.exists(storage.join(self.directory, str(candidate), item)))]
                 restored = self._manager.restore(candidate, args=ocp.args.Composite(
                     **{item: ocp.args.StandardRestore(abstract_state[item]) for item in names}))
             except CheckpointError:
@@ -149,19 +157,30 @@ class Checkpointer:
         """Moves an unreadable step out of the manager's way, so the run can save it again; kept for inspection."""
         if self.read_only:
             return "kept in place"
-        aside = os.path.join(os.path.dirname(self.directory), UNREADABLE_DIR, str(step))
+        aside = storage.join(self.directory.rsplit("/", 1)[0], UNREADABLE_DIR, str(step))
         if jax.process_index() == 0:
-            if os.path.exists(aside):
+            if storage.exists(aside):
                 aside += f".{int(time.time())}"
-            os.makedirs(os.path.dirname(aside), exist_ok=True)
-            os.replace(os.path.join(self.directory, str(step)), aside)
+            if not storage.is_remote(aside):
+                os.makedirs(os.path.dirname(aside), exist_ok=True)
+            storage.rename(storage.join(self.directory, str(step)), aside)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"andrea_checkpoint_aside_{step}")
         self._manager.reload()
         return f"moved to {aside}"
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        """Waits for the save being written; one that failed (a bucket that stayed unreachable through Orbax's
+        retries, a disk error) is a CheckpointError naming the newest checkpoint kept."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            if atomic.as_disk_full(error) is not None:
+                raise
+            kept = self._manager.all_steps()
+            raise CheckpointError(f"a checkpoint could not be written to {self.directory} ({first_line(error)}); "
+                                  f"the newest one kept is {f'step {max(kept)}' if kept else 'none'}: run the same "
+                                  f"command to resume from it once the storage answers") from error
 
     def saving(self) -> bool:
         """Whether a save is being written (a stop at once would lose it)."""
@@ -169,8 +188,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for the last async save, then releases the manager (call in a finally)."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
         if not self.read_only:
             self._remove_deleted()
 

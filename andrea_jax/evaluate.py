@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from andrea_jax import UserError, checkpoint, model, resolve, run_dir, sharding, train_step
-from andrea_jax.runtime import atomic
+from andrea_jax.runtime import atomic, storage
 from andrea_jax.tools import sampling
 from andrea_jax.config import ConfigError, validate
 from andrea_jax.data import batcher, pipeline
@@ -70,7 +70,7 @@ def restore(workdir: str, config: ml_collections.ConfigDict | None = None, step:
         config.model.vocab_size = tokenizer.vocab_size
     validate(config)
     directory = checkpoint.directory_of(workdir)
-    ckpt = checkpoint.Checkpointer(workdir, read_only=True) if os.path.isdir(directory) else None
+    ckpt = checkpoint.Checkpointer(workdir, read_only=True) if storage.exists(directory) else None
     try:
         if ckpt is None or not ckpt.steps():
             raise EvalError(f"no checkpoint in {directory} yet; train first (python train.py --workdir "
@@ -106,7 +106,7 @@ def _without_tokenizer(workdir: str) -> str:
     if not os.path.isfile(os.path.join(workdir, run_dir.CONFIG_FILE)):
         return f"{workdir} has no {pipeline.TOKENIZER_FILE}; pass the directory train.py wrote"
     directory = checkpoint.directory_of(workdir)
-    ckpt = checkpoint.Checkpointer(workdir, read_only=True) if os.path.isdir(directory) else None
+    ckpt = checkpoint.Checkpointer(workdir, read_only=True) if storage.exists(directory) else None
     try:
         trained = ckpt is not None and bool(ckpt.steps())
     finally:

@@ -16,10 +16,12 @@ import socket
 import tempfile
 import time
 import uuid
+from functools import partial
+from typing import Callable
 
 import ml_collections
 
-from andrea_jax.runtime import atomic
+from andrea_jax.runtime import atomic, storage
 from andrea_jax.config import ConfigError, base_config
 
 CONFIG_FILE = "config.json"
@@ -133,19 +135,22 @@ def _unusable(error: OSError, setting: str, fix: str) -> ConfigError:
                        f"can hold it; {fix}")
 
 
-def hold(workdir: str) -> int:
+def hold(workdir: str) -> Callable[[], None]:
     """Takes the run's lock on `workdir`, or raises ConfigError naming the process that holds it (or saying
-    that the directory is not writable, or DiskFull). A refused run removes nothing: the directory and the
-    lock file are then the holder's (two runs starting at once on a new workdir both make them).
+    that the directory is not writable, or DiskFull); returns what releases it at the run's end. A refused run
+    removes nothing: the directory and the lock file are then the holder's (two runs starting at once on a new
+    workdir both make them).
 
     The lock is an flock on `run.lock`: the kernel drops it when its holder exits, even by kill -9 or a lost
-    machine, so a dead run never blocks the next. Returns the descriptor to keep open for the run's life.
+    machine, so a dead run never blocks the next. On Cloud Storage it is a lease (`storage.Lease`).
     """
+    if storage.remote_of(workdir) is not None:
+        return storage.Lease(storage.remote_of(workdir)).acquire().release
     path = os.path.join(workdir, LOCK_FILE)
     # A directory the run cannot write to stops here, before it holds anything.
     require_writable(workdir, f"--workdir {workdir}", "use another --workdir")
     with atomic.writing(path):
-        return _lock_run(path, workdir)
+        return partial(os.close, _lock_run(path, workdir))
 
 
 def _lock_run(path: str, workdir: str) -> int:
@@ -236,13 +241,16 @@ def unclaim(cache_dir: str, run_id: str) -> None:
 def _claim(cache_dir: str, run_id: str, token: str, ours: set, workdir: str) -> tuple[int | None, str | None]:
     """(the descriptor of the id's lock, what else claimed the id: None if nothing did)."""
     status = os.stat(workdir)
-    here = f"{socket.gethostname()}:{status.st_dev}:{status.st_ino}"
+    # Of a gs:// workdir its address, which names one directory wherever it runs.
+    here = storage.remote_of(workdir) or f"{socket.gethostname()}:{status.st_dev}:{status.st_ino}"
     try:
         os.makedirs(os.path.join(cache_dir, "runs"), exist_ok=True)
         descriptor = os.open(os.path.join(cache_dir, "runs", f"{run_id}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        last = re.search(r"start (\w+) in ((\S+):\d+:\d+)$", os.pread(descriptor, 400, 0).decode("utf-8", "replace"))
+        last = re.search(r"start (\w+) in (\S+)$", os.pread(descriptor, 400, 0).decode("utf-8", "replace"))
         # The inode tells a copy from its original on this host only: on another it may be another disk's.
-        another_directory = last is not None and last.group(3) == socket.gethostname() and last.group(2) != here
+        comparable = last is not None and (last.group(2).startswith(f"{socket.gethostname()}:") or
+                                           storage.is_remote(last.group(2)) or storage.is_remote(here))
+        another_directory = comparable and last.group(2) != here
         if last is not None and (last.group(1) not in ours or another_directory):
             os.close(descriptor)  # the claim stays the other workdir's
             return None, "claimed by another workdir since this one last ran"

@@ -28,7 +28,7 @@ from andrea_jax.config import validate
 from andrea_jax.data import batcher, eras, pipeline, sources
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.encoder import Encoder
-from andrea_jax.runtime import stop
+from andrea_jax.runtime import stop, storage
 from andrea_jax.runtime.leader_first import leader_first
 
 
@@ -46,15 +46,15 @@ class TrainingStopped(UserError):
     """The run stopped on purpose (non-finite loss); the message says what to do."""
 
 
-def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, held: contextlib.ExitStack,
-                request: stop.StopRequest, device: Any = None
+def prepare_run(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, leader: bool,
+                held: contextlib.ExitStack, request: stop.StopRequest, device: Any = None
                 ) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
     """Checks the workdir, takes it and the run's identity (docs/lifecycle.md), prepares the data, fills in the
     tokenizer's vocabulary size and what "auto" stands for on `device` (`resolve.for_devices`; config
     validated). Returns (prepared data, config, the config the workdir's run was started with or None); the
     leader's locks are released with `held`, and a workdir it creates is removed again by a failure or a stop
     before the first step."""
-    first_step_started = lambda: request.training
+    first_step_started, workdir = (lambda: request.training), copy.local
     saved = run_dir.load_saved_config(workdir)
     if jax.process_count() > 1:  # every process has seen the directory as it was before the leader writes to it
         multihost_utils.sync_global_devices("andrea_config_read")
@@ -63,7 +63,7 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
         tokenizer_path = os.path.join(workdir, pipeline.TOKENIZER_FILE)
         if config.model.vocab_size == 0 and os.path.exists(tokenizer_path):  # a resume keeps its tokenizer
             config.model.vocab_size = tokenizers.load(tokenizer_path).vocab_size
-        run_dir.check_compatible(saved, config, workdir)
+        run_dir.check_compatible(saved, config, storage.shown(workdir))
 
     def undo_if_unstarted(undo: Callable[[], None]) -> None:
         """`undo()` where the new run fails or stops at once before its first step: at the exit of `held`
@@ -72,10 +72,15 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
         request.clean_ups.insert(0, partial(_undo_if_unstarted, workdir, first_step_started, undo, KeyboardInterrupt))
 
     def as_leader():
-        created = not os.path.lexists(workdir)
-        held.callback(os.close, run_dir.hold(workdir))  # one run per workdir: before anything is written to it
+        created = copy.created
+        release = run_dir.hold(workdir)  # one run per workdir: before anything is written to it
+        held.callback(release)
+        request.clean_ups.append(release)  # a lease on a bucket outlives a process that ends at once
+        held.callback(copy.push, True)  # a gs:// workdir's files are written back before the lock is released
         if created:
             undo_if_unstarted(partial(shutil.rmtree, workdir))
+            if copy.remote is not None:
+                undo_if_unstarted(partial(storage.remove_tree, copy.remote))
         if saved is None:
             run_dir.save_config(workdir, config)  # marks the directory as this run's before data lands in it
         run_id, descriptor = run_dir.claim_identity(workdir, sources.cache_dir_of(config.data))
@@ -83,13 +88,20 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str, leader: bool, h
             held.callback(os.close, descriptor)
         if created:
             undo_if_unstarted(partial(run_dir.unclaim, sources.cache_dir_of(config.data), run_id))
-        # The step it resumes at decides whether a larger stream budget can go on where the run's ended.
-        prepared = pipeline.prepare(config, workdir, is_leader=True, first_step=max(_saved_steps(workdir), default=0))
+        prepared = prepare_data(is_leader=True)
         if created and prepared.train.encoded_beside_training:  # the eras of a new run are its own, keyed by its id
             undo_if_unstarted(partial(shutil.rmtree, prepared.train.directory))
+        copy.push(wait=True)  # with several processes on a gs:// workdir, the others pull the records from there
         return prepared
 
-    prepared = leader_first(leader, as_leader, lambda: pipeline.prepare(config, workdir, is_leader=False),
+    # On a gs:// workdir each process keeps the data in its own data.cache_dir (docs/cloud_storage.md): it
+    # prepares them as process 0 does, from the tokenizer and records process 0 wrote back.
+    own_data = _own_data(copy)
+    # The step it resumes at decides whether a larger stream budget can go on where the run's ended.
+    prepare_data = lambda is_leader: pipeline.prepare(config, workdir, is_leader=is_leader or own_data,
+                                                      first_step=max(checkpoint.saved_steps(workdir), default=0),
+                                                      process=jax.process_index() if own_data else None)
+    prepared = leader_first(leader, as_leader, lambda: copy.pull() or prepare_data(is_leader=False),
                             "prepare the data")
     if config.model.vocab_size == 0:
         config.model.vocab_size = prepared.tokenizer.vocab_size
@@ -111,7 +123,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
         request.line_at_once = partial(_stopped_at_once, workdir)
         try:
             with contextlib.ExitStack() as held:
-                return _train(config, workdir, devices, held, request)
+                copy = storage.WorkingCopy(workdir, owns=_written_here)  # of a gs:// workdir: pulled from it
+                held.callback(copy.close)
+                if jax.process_index() != 0:  # process 0 pushes when it releases the lock
+                    held.callback(copy.push, True)
+                return _train(config, copy, devices, held, request)
         except KeyboardInterrupt:  # a stop at once, where the process lives on; a save under way was finished
             name = request.received[-1] if request.received else "SIGINT"
             raise StoppedAtOnce(_stopped_at_once(workdir, stop.spoken(name), request.training)) from None
@@ -126,7 +142,7 @@ def _stopped_at_once(workdir: str, name: str, training: bool) -> str:
     if not training:
         return (f"stopped by {name} before the first step: nothing was trained or left half-written; run the same "
                 f"command to start again")
-    newest = max(_saved_steps(workdir), default=None)
+    newest = max(checkpoint.saved_steps(workdir), default=None)
     return (f"stopped at once by {name}; " + ("no checkpoint was saved yet" if newest is None else
                                               f"the newest checkpoint is step {newest}") +
             "; run the same command to resume")
@@ -143,17 +159,26 @@ def _undo_if_unstarted(workdir: str, first_step_started: Callable[[], bool], und
             undo()
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None, held: contextlib.ExitStack,
-           request: stop.StopRequest) -> dict:
-    leader = jax.process_index() == 0
+def _written_here(name: str) -> bool:
+    """Whether this process writes the working copy's file `name` back: process 0 all of its files, another
+    its own traces."""
+    return jax.process_index() == 0 or name.startswith(f"{trace.TRACE_DIR}/process_{jax.process_index()}/")
+
+
+def _train(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, devices: list | None,
+           held: contextlib.ExitStack, request: stop.StopRequest) -> dict:
+    leader, workdir = jax.process_index() == 0, copy.local
     validate(config)
     mesh = sharding.make_mesh(config, devices)  # a misfit mesh fails before minutes of data preparation
     hellaswag_examples = None
     if config.hellaswag.every:  # before the data work: offline, an unprepared TFDS HellaSwag stops in seconds
         read = lambda: hellaswag.load(config.hellaswag.source, config.data.tfds_data_dir)
         hellaswag_examples = leader_first(leader, read, read, "prepare the HellaSwag examples")
-    prepared, config, saved = prepare_run(config, workdir, leader, held, request, device=mesh.devices.flat[0])
-    encoder = _start_encoder(config, workdir, prepared, held, leader)  # encodes while the step compiles
+    prepared, config, saved = prepare_run(config, copy, leader, held, request, device=mesh.devices.flat[0])
+    if leader and copy.remote is not None:
+        print(f"checkpoints go to {copy.remote} through Orbax; metrics, TensorBoard events and traces are written in "
+              f"{copy.local} and copied there at each log and checkpoint (docs/cloud_storage.md)", flush=True)
+    encoder = _start_encoder(config, workdir, prepared, held, _own_data(copy))  # encodes while the step compiles
     mesh = sharding.make_mesh(config, devices)  # again: a resume keeps its own micro-batches, which must split here
     hellaswag_rows = None if hellaswag_examples is None else \
         hellaswag.rows_of(hellaswag_examples, config.hellaswag.examples, prepared.tokenizer)
@@ -210,23 +235,30 @@ def _train(config: ml_collections.ConfigDict, workdir: str, devices: list | None
         held.callback(writer.close)
         if encoder is not None and encoder.first_step != start_step:  # a newer checkpoint was unreadable
             encoder.restart(start_step)
-        reader, make_batch = _batches(config, prepared, encoder)
+        reader, make_batch = _batches(config, prepared, encoder, delete_passed=leader or _own_data(copy))
         step_trace = trace.StepTrace(workdir, config, start_step)
         held.callback(step_trace.close)
         if prepared.train.encoded_beside_training and start_step < config.steps:  # the wait for the first era in
             make_batch(start_step)  # this thread, where a stop is still a stop at once (one era: built already)
         request.training, request.saving = True, ckpt.saving
         return _loop(steps, state, start_step, carried_losses, carried_seconds, target_reached, prepared, make_batch,
-                     reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace, workdir, request)
+                     reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace, copy, request)
+
+
+def _own_data(copy: storage.WorkingCopy) -> bool:
+    """Whether each process keeps the run's data in its own data.cache_dir: on a gs:// workdir
+    (docs/cloud_storage.md), where no disk need be shared; else process 0 prepares them for all."""
+    return copy.remote is not None and jax.process_count() > 1
 
 
 def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pipeline.Prepared,
-                   held: contextlib.ExitStack, leader: bool) -> Encoder | None:
-    if not (leader and prepared.train.encoded_beside_training):
+                   held: contextlib.ExitStack, own_data: bool) -> Encoder | None:
+    if not ((jax.process_index() == 0 or own_data) and prepared.train.encoded_beside_training):
         return None
     with contextlib.suppress(FileNotFoundError):  # where an earlier run's steps were: the new one says anew
         os.remove(prepared.train.position_path)
-    encoder = Encoder(config, workdir, max(_saved_steps(workdir), default=0))
+    encoder = Encoder(config, workdir, max(checkpoint.saved_steps(workdir), default=0),
+                      jax.process_index() if own_data else None)
     held.callback(encoder.stop)
     return encoder
 
@@ -242,17 +274,12 @@ def _params_from(workdir: str, abstract: dict, tokenizer_sha256: str) -> Any:
     return restored[0]["params"]
 
 
-def _saved_steps(workdir: str) -> list[int]:
-    """The steps of the workdir's checkpoints, read from the directory (no checkpoint manager needed)."""
-    directory = checkpoint.directory_of(workdir)
-    return [int(name) for name in os.listdir(directory) if name.isdigit()] if os.path.isdir(directory) else []
-
-
-def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, encoder: Encoder | None):
+def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, encoder: Encoder | None,
+             delete_passed: bool):
     """(the era reader, make_batch(step) -> this process's rows) for the run's data.order."""
     rows = dict(batch_size=config.batch_size, process_index=jax.process_index(), process_count=jax.process_count())
     reader = eras.Reader(prepared.train, config.seed, config.seq_len, config.data.keep_eras,
-                         delete_passed=jax.process_index() == 0, encoder=encoder and encoder.process,
+                         delete_passed=delete_passed, encoder=encoder and encoder.process,
                          log=lambda line: tqdm.write(line), order=config.data.order)
     return reader, lambda step: reader.batch(step, **rows)
 
@@ -260,9 +287,9 @@ def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, enc
 def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], carried_seconds: float,
           target_reached: bool, prepared: pipeline.Prepared, make_batch, reader: eras.Reader,
           hellaswag_rows: hellaswag.Encoded | None, mesh: jax.sharding.Mesh, peak: float | None,
-          ckpt: checkpoint.Checkpointer, writer: metrics.Writer, step_trace: trace.StepTrace, workdir: str,
-          request: stop.StopRequest) -> dict:
-    config, leader = steps.config, jax.process_index() == 0
+          ckpt: checkpoint.Checkpointer, writer: metrics.Writer, step_trace: trace.StepTrace,
+          copy: storage.WorkingCopy, request: stop.StopRequest) -> dict:
+    config, leader, workdir = steps.config, jax.process_index() == 0, copy.local
     session_start = time.perf_counter()
     train_seconds = lambda: carried_seconds + time.perf_counter() - session_start  # the run's, over its sessions
     batch_sharding = sharding.batch_sharding(mesh)
@@ -352,6 +379,7 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
 
     def save(done: int, state: dict) -> None:
         drain()  # never save a state that followed a non-finite step
+        copy.push(wait=True)  # a checkpoint on a bucket finds its metrics there
         ckpt.save(done, state, {"tokenizer_sha256": prepared.tokenizer.sha256, "config": config.to_dict(),
                                 "data_step": done, "log_interval_losses": [float(loss) for loss in interval_losses],
                                 "train_seconds": train_seconds()})
@@ -382,6 +410,7 @@ def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[f
                         writer.write(done, record)
                         last_record.update(record)
                     interval[:] = time.perf_counter(), 0
+                    copy.push()  # of a gs:// workdir, written back beside training
             if done % config.checkpoint_every == 0 or done == config.steps:
                 save(done, state)
                 saved, interval[:] = done, (time.perf_counter(), 0)

@@ -1,6 +1,9 @@
 """Checkpoint cost: Orbax async save of the train state, and how long the loop stalls for it.
 
-    python bench/bench_checkpoint.py [--only mid,a120_f32] [--saves 3]
+    python bench/bench_checkpoint.py [--only mid,a120_f32] [--saves 3] [--emulator]
+
+--emulator saves to a bucket (gs://bench) on a Cloud Storage emulator started on loopback
+(tests/gcs_emulator.py, requirements-test.txt), for the cost of a gs:// workdir's checkpoints.
 
 The state comes from the project's jitted step (as bench_step.py builds it) and
 is saved through andrea_jax.checkpoint.Checkpointer, as the training loop saves
@@ -68,7 +71,10 @@ def bench_case(name: str, saves: int, directory: str) -> dict:
         abstract = checkpoint.abstract_like({k: step.state[k] for k in ("params", "opt_state")},
                                             jax.tree.map(lambda x: x.sharding,
                                                          {k: step.state[k] for k in ("params", "opt_state")}))
+        restore_started = time.perf_counter()
         restored, _ = ckpt.restore(abstract, step=saves)
+        jax.block_until_ready(restored)
+        restore_s = time.perf_counter() - restore_started
         exact = all(np.array_equal(a, np.asarray(b)) for a, b in
                     zip(jax.tree.leaves(saved_params), jax.tree.leaves(restored["params"])))
     finally:
@@ -77,7 +83,7 @@ def bench_case(name: str, saves: int, directory: str) -> dict:
     return dict(case=name, exact=exact, mb=state_bytes(step.state) / 1e6, baseline_s=baseline,
                 blocking_s=statistics.median(blocking), write_s=statistics.median(write),
                 stall_s=statistics.median(stall), steps_during=statistics.median(steps_during),
-                first_write_s=write[0])
+                first_write_s=write[0], restore_s=restore_s)
 
 
 def main() -> None:
@@ -85,19 +91,31 @@ def main() -> None:
     parser.add_argument("--only", default="mid,a120_f32")
     parser.add_argument("--saves", type=int, default=3, help="saves per case (medians shown)")
     parser.add_argument("--dir", default="", help="where to write (default: a temporary directory)")
+    parser.add_argument("--emulator", action="store_true", help="save to gs://bench on a Cloud Storage emulator")
     args = parser.parse_args()
     print(harness.header("python bench/bench_checkpoint.py " + " ".join(sys.argv[1:])), flush=True)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir or None) as directory:
-        for name in args.only.split(","):
-            rows.append(bench_case(name.strip(), args.saves, directory))
+        emulator = None
+        if args.emulator:
+            from tests.gcs_emulator import Emulator
+
+            emulator = Emulator(os.path.join(directory, "objects"))
+            emulator.make_bucket("bench")
+            os.environ.update(emulator.env)
+        try:
+            for name in args.only.split(","):
+                rows.append(bench_case(name.strip(), args.saves, "gs://bench" if emulator else directory))
+        finally:
+            if emulator is not None:
+                emulator.stop()
     print(f"\nload average at end {harness.load_average()}")
     print(harness.format_table(
         ["case", "state MB (params + Adam)", "step ms", "save() blocks ms", "write s (median)",
-         "first write s", "steps during write", "loop stall ms", "restore = saved step"],
+         "first write s", "steps during write", "loop stall ms", "restore s", "restore = saved step"],
         [[r["case"], f"{r['mb']:,.0f}", f"{r['baseline_s'] * 1e3:,.0f}", f"{r['blocking_s'] * 1e3:,.0f}",
           f"{r['write_s']:.2f}", f"{r['first_write_s']:.2f}", f"{r['steps_during']:.0f}",
-          f"{r['stall_s'] * 1e3:,.0f}", "yes" if r["exact"] else "NO"] for r in rows]))
+          f"{r['stall_s'] * 1e3:,.0f}", f"{r['restore_s']:.2f}", "yes" if r["exact"] else "NO"] for r in rows]))
 
 
 if __name__ == "__main__":

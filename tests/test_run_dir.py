@@ -184,7 +184,7 @@ def test_a_second_run_on_a_workdir_in_use_stops_with_the_holder(tmp_path):
             train_loop.train(loop_config(tmp_path, steps=2), workdir, devices=jax.devices()[:1])
         assert os.listdir(workdir) == [run_dir.LOCK_FILE]  # nothing written
     finally:
-        os.close(held)
+        held()
     train_loop.train(loop_config(tmp_path, steps=2), workdir, devices=jax.devices()[:1])  # free again: it runs
     assert os.path.exists(os.path.join(workdir, "checkpoints", "2"))
 
@@ -199,7 +199,7 @@ def test_a_holder_that_died_does_not_block_the_next_run(tmp_path):
         run_dir.hold(workdir)
     holder.kill()  # kill -9: no chance to clean up
     holder.wait()
-    os.close(run_dir.hold(workdir))
+    run_dir.hold(workdir)()
 
 
 def test_a_workdir_that_cannot_be_made_is_one_line(tmp_path):
@@ -234,7 +234,7 @@ def test_a_run_refused_at_the_lock_leaves_the_holder_s_lock_and_directory(tmp_pa
             run_dir.hold(workdir)
         assert os.listdir(workdir) == [run_dir.LOCK_FILE]
     finally:
-        os.close(held)
+        held()
 
 
 def claimed(workdir, cache):

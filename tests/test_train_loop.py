@@ -184,7 +184,7 @@ def test_a_new_run_that_stops_before_its_first_step_leaves_no_workdir(tmp_path):
             train_loop.train(config, busy, devices=jax.devices()[:1])
         assert os.listdir(busy) == ["run.lock"]
     finally:
-        os.close(held)
+        held()
 
 
 @pytest.mark.parametrize("arguments, message", [

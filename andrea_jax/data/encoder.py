@@ -26,15 +26,18 @@ _PR_SET_PDEATHSIG = 1
 class Encoder:
     """The encoder process of the run in `workdir`, from `first_step` on; its output joins the run's."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str, first_step: int) -> None:
-        self.config, self.workdir = config, workdir
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, first_step: int,
+                 process: int | None = None) -> None:
+        self.config, self.workdir, self.process_key = config, workdir, process  # process: its eras' key
         self.first_step, self.process = first_step, self._start(first_step)
 
     def _start(self, first_step: int) -> subprocess.Popen:
         # A session of its own: a Ctrl-C to the run's terminal is the run's to handle, which stops the encoder.
         return subprocess.Popen([sys.executable, "-m", "andrea_jax.data.encoder", "--workdir", self.workdir,
                                  "--first-step", str(first_step), "--parent", str(os.getpid()),
-                                 "--config", self.config.to_json()], start_new_session=True)
+                                 "--config", self.config.to_json(),
+                                 *([] if self.process_key is None else ["--process", str(self.process_key)])],
+                                start_new_session=True)
 
     def restart(self, first_step: int) -> None:
         self.stop()
@@ -51,6 +54,7 @@ def _main() -> None:
     parser.add_argument("--first-step", type=int, required=True)
     parser.add_argument("--parent", type=int, required=True, help="the training run's process id")
     parser.add_argument("--config", required=True, help="the run's config as JSON")
+    parser.add_argument("--process", type=int, default=None, help="the process whose own eras these are")
     arguments = parser.parse_args()
     config = ml_collections.ConfigDict(json.loads(arguments.config))
     parent = arguments.parent
@@ -59,7 +63,8 @@ def _main() -> None:
     alive = lambda: os.getppid() == parent  # elsewhere: stop at the next check
     splits = pipeline.open_splits(config)
     tokenizer = tokenizers.load(os.path.join(arguments.workdir, pipeline.TOKENIZER_FILE))
-    cache = pipeline.train_cache(config, arguments.workdir, splits, tokenizer, preparing=False)
+    cache = pipeline.train_cache(config, arguments.workdir, splits, tokenizer, preparing=False,
+                                 process=arguments.process)
     eras.encode(cache, splits.train, tokenizer, lambda: cache.layout(int(config.seed), int(config.seq_len)),
                 int(config.batch_size), arguments.first_step, int(config.steps) - 1, int(config.data.keep_eras),
                 alive, lambda line: print(line, flush=True))

@@ -75,12 +75,13 @@ def open_splits(config: ml_collections.ConfigDict) -> sources.Splits:
 
 
 def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources.Splits, tokenizer: Tokenizer,
-                preparing: bool = True, first_step: int = 0) -> eras.EraCache:
+                preparing: bool = True, first_step: int = 0, process: int | None = None) -> eras.EraCache:
     """The training split's eras. A stream read in data.order="epochs": eras built beside training by the
     encoder process, the run's own (keyed by the run's id, `run_dir.claim_identity`); `preparing` (the leader's
     preparation, not the encoder process opening the same eras) checks the stream's start for text and the disk
     for the eras, and raises the budget of a run resumed at `first_step` that asks for more
-    (`eras.raise_budget`), saying so once. Any other split: one era, built here
+    (`eras.raise_budget`), saying so once; `process`: the eras are that process's own (each process of a run
+    keeps its own data). Any other split: one era, built here
     if missing, before the first step, and shared by the runs of its source (keyed by what it holds: the source,
     the tokenizer and a stream's token budget)."""
     cache_dir, seq_len = sources.cache_dir_of(config.data), int(config.seq_len)
@@ -89,7 +90,8 @@ def train_cache(config: ml_collections.ConfigDict, workdir: str, splits: sources
             raise DataError(token_cache.no_text("train"))
         size, record_path = eras.era_tokens(config.data, seq_len), os.path.join(workdir, eras.RECORD_FILE)
         record = eras.start_record(record_path, splits.identity, size, splits.train_tokens, run_dir.identity(workdir))
-        identity = {**splits.identity, "run": record["run"], "era_tokens": size}
+        identity = {**splits.identity, "run": record["run"], "era_tokens": size,
+                    **({} if process is None else {"process": process})}
         cache = eras.EraCache(cache_directory(cache_dir, identity, tokenizer.sha256), record_path, size,
                               int(record["planned_tokens"]))
         if preparing:
@@ -236,7 +238,8 @@ def _built_by_the_leader(directory: str, name: str = "val", split: str = "valida
     return built
 
 
-def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str, first_step: int) -> Prepared:
+def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str, first_step: int,
+                       process: int | None) -> Prepared:
     os.makedirs(workdir, exist_ok=True)
     splits = open_splits(config)
     cache_dir, keep_eras = sources.cache_dir_of(config.data), int(config.data.keep_eras)
@@ -249,7 +252,7 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str, first_st
         token_cache.require_space(cache_dir, at_once * token_cache.TOKEN_BYTES)
     tokenizer, new_tokenizer = tokenizer_for_run(config, workdir, splits)
     # Era 0 of a stream: by the encoder the loop starts.
-    train = train_cache(config, workdir, splits, tokenizer, first_step=first_step)
+    train = train_cache(config, workdir, splits, tokenizer, first_step=first_step, process=process)
     val = validation_split(config, splits, tokenizer)
     seq_len, batch_size = int(config.seq_len), int(config.batch_size)
     if batcher.num_val_batches(val.num_tokens, batch_size, seq_len) < 1:
@@ -270,12 +273,14 @@ def _prepare_as_leader(config: ml_collections.ConfigDict, workdir: str, first_st
     return Prepared(tokenizer, train, val)
 
 
-def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = True, first_step: int = 0) -> Prepared:
+def prepare(config: ml_collections.ConfigDict, workdir: str, is_leader: bool = True, first_step: int = 0,
+            process: int | None = None) -> Prepared:
     """Tokenizer and token caches for this config, the run starting (or resuming) at `first_step`; only the
-    leader writes anything, the others read what it recorded."""
+    leader writes anything, the others read what it recorded. `process`: a process that prepares its own data
+    as the leader does (`train_cache`)."""
     workdir = os.fspath(workdir)
     if is_leader:
-        return _prepare_as_leader(config, workdir, first_step)
+        return _prepare_as_leader(config, workdir, first_step, process)
     record_path = os.path.join(workdir, RECORD_FILE)
     try:
         with open(record_path, encoding="utf-8") as f:

@@ -363,7 +363,7 @@ def main(argv: list[str]) -> None:
     """`export` or `import`, with the flags `_define_flags` gives; errors as one line and exit status 2."""
     from absl import logging
 
-    from andrea_jax.runtime import cli
+    from andrea_jax.runtime import cli, storage
 
     values = flags.FLAGS
     command = " ".join(argv[1:])
@@ -375,10 +375,14 @@ def main(argv: list[str]) -> None:
         missing = [f"--{name}" for name in _REQUIRED[command] if values[name].value is None]
         if missing:
             raise ExportError(f"{command} needs {' and '.join(missing)}; see --helpshort")
-        if command == "export":
-            export(values.workdir, values.out, values.step, values.overwrite)
-        else:
-            import_run(values.hf, values.workdir, values.config, values.tokenizer, values.overwrite)
+        if command == "import" and storage.is_remote(values.workdir):
+            raise ExportError(f"import into a local --workdir, not {values.workdir}; a run on the bucket starts "
+                              f"from it with train.py --config.init_params_from=THAT_WORKDIR")
+        with storage.working_copy(values.workdir) as copy:  # of a gs:// workdir: its files, pulled
+            if command == "export":
+                export(copy.local, values.out, values.step, values.overwrite)
+            else:
+                import_run(values.hf, copy.local, values.config, values.tokenizer, values.overwrite)
 
     cli.run(convert, join_cluster=False, verbosity=logging.ERROR)  # Orbax's read-only warnings
 

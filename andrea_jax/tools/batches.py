@@ -18,6 +18,7 @@ import numpy as np
 from andrea_jax import UserError, run_dir
 from andrea_jax.data import DataError, batcher, eras, pipeline
 from andrea_jax.data import tokenizer as tokenizers
+from andrea_jax.runtime import storage
 
 _TEXT_CHARACTERS = 60
 
@@ -88,11 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--text", action="store_true", help="also the start of each window's text")
     parser.add_argument("--json", action="store_true", help="one JSON object a line")
     arguments = parser.parse_args(argv)
-    run = RunWindows(arguments.workdir)
+    with storage.working_copy(arguments.workdir) as copy:  # of a gs:// workdir: its records, pulled
+        _print_windows(copy.local, arguments)
+
+
+def _print_windows(workdir: str, arguments: argparse.Namespace) -> None:
+    run = RunWindows(workdir)
     steps = step_range(arguments.steps)
     if steps.stop - 1 > int(run.config.steps):
         raise UserError(f"--steps {arguments.steps} goes past the run's last step, {run.config.steps}")
-    tokenizer = tokenizers.load(os.path.join(arguments.workdir, pipeline.TOKENIZER_FILE)) if arguments.text else None
+    tokenizer = tokenizers.load(os.path.join(workdir, pipeline.TOKENIZER_FILE)) if arguments.text else None
     for step in steps:
         windows = run.windows(step)
         if arguments.json:

@@ -110,7 +110,13 @@ def figure_of(records: list[dict], name: str):
 def main(argv: list[str]) -> None:
     del argv
     from andrea_jax.runtime import cli
-    cli.run(lambda: print(f"wrote {plot_run(flags.FLAGS.workdir, flags.FLAGS.out)}"), join_cluster=False)
+    from andrea_jax.runtime import storage
+
+    def plot() -> None:
+        with storage.working_copy(flags.FLAGS.workdir, owns=lambda name: name == PLOT_FILE) as copy:
+            print(f"wrote {storage.shown(plot_run(copy.local, flags.FLAGS.out))}")
+
+    cli.run(plot, join_cluster=False)
 
 
 if __name__ == "__main__":

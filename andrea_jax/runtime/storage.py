@@ -1,0 +1,411 @@
+"""Workdirs on Cloud Storage (`--workdir gs://bucket/path`): a local working copy of a run's files, written
+back whole, and the run's lease on the workdir (docs/cloud_storage.md).
+
+Checkpoints go to the bucket through Orbax. Every other file of a workdir the code reads and writes as a local
+file, in a working copy: pulled when the run starts (all but checkpoints and traces), pushed back object by
+object (a whole-object write is atomic on Cloud Storage, which has no rename) at each log, before each
+checkpoint (so a checkpoint on the bucket has its metrics there) and at the end. A local workdir is its own
+working copy: nothing is copied. Files go through fsspec's gcsfs, as Orbax's own do; the lease through
+google-cloud-storage, which has the generation preconditions a lease needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import shutil
+import socket
+import tempfile
+import threading
+import time
+
+from andrea_jax import UserError
+
+# Before gcsfs is imported (by us or by Orbax): gcsfs's experimental zonal-bucket support asks a gRPC service
+# about every bucket, and where that does not answer (an emulator, a network without it) waits 60 s an
+# operation. Epath then uses gcsfs for Orbax's files too, also where TensorFlow is installed (Colab).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+os.environ.setdefault("EPATH_USE_TF", "false")
+
+SCHEME = "gs://"
+LOCK_NAME = "run.lock"
+LEASE_S = 120  # a lock not renewed for this long is a dead run's (docs/cloud_storage.md)
+RENEW_S = 20
+_TIMEOUT_S = 10  # a request of the start-up gives up after this: an unreachable bucket stops a start in seconds
+_NOT_PULLED = ("checkpoints/", "checkpoints_unreadable/", "profile/", LOCK_NAME)  # profile/: the traces
+_RETRY_PUSH_S = 5
+
+_copies: dict[str, str] = {}  # the local directory of each working copy this process holds -> its workdir
+
+
+class StorageError(UserError):
+    """A workdir on Cloud Storage that cannot be used; the message names the fix."""
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    return os.fspath(path).startswith(SCHEME)
+
+
+def remote_of(path: str | os.PathLike) -> str | None:
+    """The gs:// workdir whose working copy `path` is (itself if it is one); None for a local workdir."""
+    path = os.fspath(path)
+    return path.rstrip("/") if is_remote(path) else _copies.get(os.path.abspath(path))
+
+
+def shown(path: str | os.PathLike) -> str:
+    """`path` as the user named it: in a working copy, the same place in its workdir on the bucket."""
+    path = os.fspath(path)
+    absolute = os.path.abspath(path)
+    for local, remote in _copies.items():
+        if absolute == local or absolute.startswith(local + os.sep):
+            return remote + absolute[len(local):].replace(os.sep, "/")
+    return path
+
+
+@contextlib.contextmanager
+def working_copy(workdir: str, owns=lambda name: False):
+    """A `WorkingCopy` of `workdir` for a command that reads a run (eval.py, the plots, the export): the files
+    it `owns` are written back at the end."""
+    copy = WorkingCopy(workdir, owns)
+    try:
+        yield copy
+        copy.push(wait=True)
+    finally:
+        copy.close()
+
+
+def join(directory: str, *names: str) -> str:
+    return posixpath.join(directory, *names) if is_remote(directory) else os.path.join(directory, *names)
+
+
+def names_in(directory: str) -> list[str]:
+    """The names in `directory` (local or gs://); none where it does not exist."""
+    if not is_remote(directory):
+        return os.listdir(directory) if os.path.isdir(directory) else []
+    fs, root = _filesystem(directory)
+    with _explained(directory):
+        return [posixpath.basename(name.rstrip("/")) for name in fs.ls(root, detail=False, refresh=True)
+                if name.rstrip("/") != root.rstrip("/")] if fs.exists(root) else []
+
+
+def exists(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.exists(path)
+    fs, root = _filesystem(path)
+    fs.invalidate_cache(root)  # another writer (Orbax's tensorstore, another process) may have added it
+    with _explained(path):
+        return fs.exists(root)
+
+
+def rename(source: str, destination: str) -> None:
+    """Moves a file or directory; on Cloud Storage object by object (copy, then delete)."""
+    if not is_remote(source):
+        os.replace(source, destination)
+        return
+    fs, root = _filesystem(source)
+    with _explained(source):
+        fs.mv(root, _filesystem(destination)[1], recursive=True)
+
+
+def remove_tree(path: str) -> None:
+    if not is_remote(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    fs, root = _filesystem(path)
+    with contextlib.suppress(FileNotFoundError), _explained(path):
+        fs.rm(root, recursive=True)
+
+
+def _filesystem(url: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+class WorkingCopy:
+    """The local files of `workdir`: the directory itself, or for a gs:// workdir a copy in a directory of its
+    own, pulled from the bucket when made. `owns(name)` says which files this process writes back (the
+    training run's process 0 all of them, another process its own traces; a reader none)."""
+
+    def __init__(self, workdir: str, owns=lambda name: True):
+        self.remote, self.owns, self.lease = remote_of(workdir), owns, None
+        if self.remote is None:
+            self.local = os.fspath(workdir)
+            return
+        check_reachable(self.remote)
+        self.fs, self.root = _filesystem(self.remote)
+        self.local = tempfile.mkdtemp(prefix="andrea_workdir_")
+        _copies[os.path.abspath(self.local)] = self.remote
+        self._known: dict[str, tuple | None] = {}  # name -> (size, mtime) as last pulled or pushed
+        self._pending: dict[str, bytes | None] = {}  # name -> what to write (None: delete), for the pusher
+        self._failure: tuple[float, str] | None = None  # since when pushes fail, and why
+        self._changed, self._closing, self._busy = threading.Condition(), False, False
+        self._pusher = threading.Thread(target=self._push_pending, daemon=True, name="workdir-push")
+        self._pusher.start()
+        self.pull()
+
+    @property
+    def created(self) -> bool:
+        """Whether the workdir held nothing (not even checkpoints) when the copy was made."""
+        if self.remote is None:
+            return not os.path.lexists(self.local)
+        with _explained(self.remote):
+            return not [name for name in self.fs.find(self.root) if not name.endswith("/" + LOCK_NAME)]
+
+    def pull(self) -> None:
+        """Makes the copy what the bucket holds (all but checkpoints, traces and the lock)."""
+        if self.remote is None:
+            return
+        self.fs.invalidate_cache()  # another process may have pushed since this one listed
+        with _explained(self.remote):
+            objects = {posixpath.relpath(name, self.root): name for name in self.fs.find(self.root)}
+            for name, source in objects.items():
+                if name.startswith(_NOT_PULLED) or name.endswith("/"):
+                    continue
+                target = os.path.join(self.local, name)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with open(target, "wb") as f:
+                    f.write(self.fs.cat_file(source))
+                self._known[name] = _signature(target)
+
+    def push(self, wait: bool = False) -> None:
+        """Hands the files changed since the last push (and the deletions) to the pusher thread; `wait`: until
+        they are on the bucket, unless pushes are failing (training goes on; the next push tries again)."""
+        if self.remote is None or not os.path.isdir(self.local):
+            return
+        if self.lease is not None:
+            self.lease.check()
+        changes = {}
+        for name in {*self._local_names(), *self._known}:
+            signature = _signature(os.path.join(self.local, name))
+            if signature != self._known.get(name) and self.owns(name):
+                with contextlib.suppress(FileNotFoundError):  # gone since it was listed
+                    changes[name] = _read(os.path.join(self.local, name)) if signature else None
+                    self._known[name] = signature
+        with self._changed:
+            self._pending.update(changes)
+            self._changed.notify_all()
+            while wait and (self._pending or self._busy) and self._failure is None:
+                self._changed.wait()
+
+    def _local_names(self) -> list[str]:
+        names = []
+        for directory, _, files in os.walk(self.local):
+            names += [os.path.relpath(os.path.join(directory, name), self.local) for name in files
+                      if ".tmp" not in name]  # a file being written atomically: its rename comes next
+        return names
+
+    def _push_pending(self) -> None:
+        while True:
+            with self._changed:
+                while not self._pending and not self._closing:
+                    self._changed.wait()
+                if not self._pending:
+                    return
+                name, content = next(iter(self._pending.items()))
+                self._busy = True
+            try:
+                target = posixpath.join(self.root, name)
+                if content is None:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm_file(target)
+                else:
+                    self.fs.pipe_file(target, content)
+                failure = None
+            except Exception as error:  # the bucket unreachable: kept, and tried again
+                failure = (self._failure or (time.monotonic(), ""))[0], f"{type(error).__name__}: {error}"[:200]
+            with self._changed:
+                self._busy, self._failure = False, failure
+                if failure is None and self._pending.get(name, b"") is content:
+                    del self._pending[name]
+                self._changed.notify_all()
+            if failure is not None:
+                time.sleep(_RETRY_PUSH_S)
+
+    def close(self) -> None:
+        """Ends the pusher once what is left is written (a minute at most while the bucket fails), then removes
+        the copy; one line where files could not be written back, which are then kept in the copy."""
+        if self.remote is None:
+            return
+        deadline = time.monotonic() + 60
+        with self._changed:
+            while (self._pending or self._busy) and time.monotonic() < deadline:
+                self._changed.wait(1)
+            self._closing = True
+            self._changed.notify_all()
+        _copies.pop(os.path.abspath(self.local), None)
+        if self._pending:
+            raise StorageError(f"{len(self._pending)} files could not be written back to {self.remote} "
+                               f"({self._failure and self._failure[1]}); they are in {self.local}: copy them "
+                               f"with `gcloud storage cp -r {self.local}/* {self.remote}/` before the next run")
+        shutil.rmtree(self.local, ignore_errors=True)
+
+
+def _signature(path: str) -> tuple | None:
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return status.st_size, status.st_mtime_ns
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+# --- The lease -------------------------------------------------------------------------------------------
+
+class Lease:
+    """The run's lock on a gs:// workdir: `run.lock`, an object created only where absent (a generation
+    precondition), rewritten every RENEW_S while the run lives on the generation it wrote. One not rewritten
+    for LEASE_S, or written by a process of this host that is gone, is a dead run's and is taken over."""
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        bucket, _, prefix = workdir[len(SCHEME):].partition("/")
+        self.blob = _client(workdir).bucket(bucket).blob(posixpath.join(prefix, LOCK_NAME))
+        self.text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+        self.generation, self.lost = None, None
+        self._stopped = threading.Event()
+
+    def acquire(self) -> "Lease":
+        from google.api_core import exceptions
+
+        for attempt in range(2):
+            try:
+                with _explained(self.workdir):
+                    self.blob.upload_from_string(self.text, if_generation_match=0, retry=_retry(), timeout=_TIMEOUT_S)
+                break
+            except exceptions.PreconditionFailed:
+                holder, generation, dead = self._holder()
+                if attempt or not dead:
+                    raise StorageError(
+                        f"--workdir {self.workdir} is in use by a training run ({holder}); wait for it to end or "
+                        f"stop it (it saves and exits on Ctrl-C or SIGTERM), or use another --workdir; a killed "
+                        f"run's lock ends {LEASE_S} s after it last renewed it") from None
+                with contextlib.suppress(exceptions.NotFound, exceptions.PreconditionFailed), _explained(self.workdir):
+                    self.blob.delete(if_generation_match=generation, retry=_retry(), timeout=_TIMEOUT_S)
+        self.generation = self.blob.generation
+        threading.Thread(target=self._renew, daemon=True, name="workdir-lease").start()
+        return self
+
+    def _holder(self) -> tuple[str, int | None, bool]:
+        """(who holds the lock, its generation, whether that run is dead)."""
+        from google.api_core import exceptions
+
+        lock = self.blob.bucket.blob(self.blob.name)  # the live object, whichever generation it is
+        with _explained(self.workdir):
+            try:
+                lock.reload(retry=_retry(), timeout=_TIMEOUT_S)  # its generation and when it was written
+                text = lock.download_as_text(retry=_retry(), timeout=_TIMEOUT_S)
+            except exceptions.NotFound:  # released meanwhile
+                return "a run that just ended", None, True
+        generation, updated = lock.generation, lock.updated
+        try:
+            holder = json.loads(text)
+        except ValueError:
+            holder = {}
+        age = time.time() - updated.timestamp() if updated else 0.0
+        gone = holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", 0)))
+        about = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}, "
+                 f"lock renewed {age:.0f} s ago")
+        return about, generation, gone or age > LEASE_S
+
+    def _renew(self) -> None:
+        while not self._stopped.wait(RENEW_S) and self._renew_once():
+            pass
+
+    def _renew_once(self) -> bool:
+        """Rewrites the lock on the generation this run wrote; False once another run holds it."""
+        from google.api_core import exceptions
+
+        try:
+            self.blob.upload_from_string(self.text, if_generation_match=self.generation, retry=None,
+                                         timeout=_TIMEOUT_S)
+            self.generation = self.blob.generation
+        except exceptions.PreconditionFailed:
+            self.lost = self._holder()[0]
+            return False
+        except Exception:  # unreachable for now: tried again at the next renewal
+            pass
+        return True
+
+    def check(self) -> None:
+        """Raises where another run took the workdir over (this one could not renew its lock for LEASE_S)."""
+        if self.lost is not None:
+            raise StorageError(f"the lock on {self.workdir} was taken over by another run ({self.lost}) after this "
+                               f"one could not renew it for {LEASE_S} s; this run stops without writing more")
+
+    def release(self) -> None:
+        self._stopped.set()
+        if self.lost is None:
+            with contextlib.suppress(Exception):
+                self.blob.delete(if_generation_match=self.generation, retry=None, timeout=_TIMEOUT_S)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return pid > 0
+
+
+def check_reachable(workdir: str) -> None:
+    """One listing request, so that no credentials, a missing bucket, no permission or no network stop the
+    start in seconds, in one line."""
+    bucket, _, prefix = workdir[len(SCHEME):].partition("/")
+    with _explained(workdir):
+        next(iter(_client(workdir).list_blobs(bucket, prefix=prefix, max_results=1, retry=_retry(),
+                                              timeout=_TIMEOUT_S)), None)
+
+
+def _client(workdir: str):
+    from google.cloud import storage
+
+    with _explained(workdir):
+        return storage.Client()
+
+
+def _retry():
+    from google.api_core import retry
+
+    return retry.Retry(initial=0.5, maximum=2.0, timeout=_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def _explained(workdir: str):
+    """Turns what Cloud Storage and its clients raise into one StorageError line that names the fix."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as error:
+        from google.api_core import exceptions
+        from google.auth import exceptions as auth
+
+        bucket = SCHEME + workdir[len(SCHEME):].split("/")[0]
+        about = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}" if str(error) else type(error).__name__
+        if isinstance(error, (auth.DefaultCredentialsError, auth.RefreshError)):
+            raise StorageError(f"no Google Cloud credentials for {workdir} ({about}); run `gcloud auth "
+                               f"application-default login` (on Colab: `from google.colab import auth; "
+                               f"auth.authenticate_user()`), then the same command") from None
+        if isinstance(error, (exceptions.Forbidden, exceptions.Unauthorized, PermissionError)):
+            raise StorageError(f"permission denied on {workdir} ({about}); give the account roles/storage."
+                               f"objectAdmin on {bucket} (objectViewer to only read it)") from None
+        if isinstance(error, FileNotFoundError):  # an object that is not there: the caller's to handle
+            raise
+        if isinstance(error, exceptions.NotFound):
+            raise StorageError(f"the bucket {bucket} does not exist ({about}); create it (`gcloud storage buckets "
+                               f"create {bucket}`) or correct --workdir") from None
+        if isinstance(error, (exceptions.RetryError, exceptions.ServiceUnavailable, ConnectionError, TimeoutError,
+                              OSError)) or "connect" in about.lower():
+            raise StorageError(f"{workdir} cannot be reached ({about}); check the network, then run the same "
+                               f"command") from None
+        raise
