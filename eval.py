@@ -64,7 +64,7 @@ def _define_config_flag(argv: list[str]) -> None:
     from andrea_jax.runtime import storage
     try:
         workdir = _argument(argv, "workdir")
-        with storage.working_copy(workdir or "") as copy:  # of a gs:// workdir: its files, pulled
+        with storage.WorkingCopy(workdir or "") as copy:  # of a gs:// workdir: its files, pulled
             saved = run_dir.load_saved_config(copy.local) if workdir and os.path.isdir(copy.local) else None
     except UserError:
         saved = None  # main() reports it
@@ -99,7 +99,7 @@ def _evaluate() -> None:
     leader = jax.process_index() == 0
     # Of a gs:// workdir its files, pulled; process 0 writes back what it wrote.
     written = lambda name: leader and name.startswith(("eval_step", "trace_step", "metrics.png"))
-    with storage.working_copy(_WORKDIR.value, owns=written) as copy:
+    with storage.WorkingCopy(_WORKDIR.value, owns=written) as copy:
         _evaluate_in(copy.local, leader)
 
 

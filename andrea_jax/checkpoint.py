@@ -37,7 +37,7 @@ class CheckpointError(UserError):
 
 def directory_of(workdir: str) -> str:
     """The checkpoints of `workdir`: of a working copy, on the bucket (`runtime/storage.py`)."""
-    return storage.join(storage.remote_of(workdir) or os.path.abspath(workdir), "checkpoints")
+    return os.path.join(storage.remote_of(workdir) or os.path.abspath(workdir), "checkpoints")  # POSIX: gs:// too
 
 
 def saved_steps(workdir: str) -> list[int]:
@@ -125,7 +125,7 @@ class Checkpointer:
                 check_meta(meta, f"checkpoint step {candidate} in {self.directory}", tokenizer_sha256)
                 # A run that computed in another dtype saved no loss scale: the caller starts one.
                 names = ["params"] if params_only else [item for item in abstract_state if item != "step" and (
-                    item != "loss_scale" or storage.exists(storage.join(self.directory, str(candidate), item)))]
+                    item != "loss_scale" or storage.exists(os.path.join(self.directory, str(candidate), item)))]
                 restored = self._manager.restore(candidate, args=ocp.args.Composite(
                     **{item: ocp.args.StandardRestore(abstract_state[item]) for item in names}))
             except CheckpointError:
@@ -157,13 +157,11 @@ class Checkpointer:
         """Moves an unreadable step out of the manager's way, so the run can save it again; kept for inspection."""
         if self.read_only:
             return "kept in place"
-        aside = storage.join(self.directory.rsplit("/", 1)[0], UNREADABLE_DIR, str(step))
+        aside = os.path.join(os.path.dirname(self.directory), UNREADABLE_DIR, str(step))
         if jax.process_index() == 0:
             if storage.exists(aside):
                 aside += f".{int(time.time())}"
-            if not storage.is_remote(aside):
-                os.makedirs(os.path.dirname(aside), exist_ok=True)
-            storage.rename(storage.join(self.directory, str(step)), aside)
+            storage.rename(os.path.join(self.directory, str(step)), aside)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"andrea_checkpoint_aside_{step}")
         self._manager.reload()

@@ -145,7 +145,7 @@ def hold(workdir: str) -> Callable[[], None]:
     machine, so a dead run never blocks the next. On Cloud Storage it is a lease (`storage.Lease`).
     """
     if storage.remote_of(workdir) is not None:
-        return storage.Lease(storage.remote_of(workdir)).acquire().release
+        return storage.hold(workdir)
     path = os.path.join(workdir, LOCK_FILE)
     # A directory the run cannot write to stops here, before it holds anything.
     require_writable(workdir, f"--workdir {workdir}", "use another --workdir")

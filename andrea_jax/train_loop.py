@@ -76,7 +76,7 @@ def prepare_run(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, le
         release = run_dir.hold(workdir)  # one run per workdir: before anything is written to it
         held.callback(release)
         request.clean_ups.append(release)  # a lease on a bucket outlives a process that ends at once
-        held.callback(copy.push, True)  # a gs:// workdir's files are written back before the lock is released
+        held.callback(copy.close)  # a gs:// workdir's files are written back before the lock is released
         if created:
             undo_if_unstarted(partial(shutil.rmtree, workdir))
             if copy.remote is not None:
@@ -124,9 +124,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, devices: list | None 
         try:
             with contextlib.ExitStack() as held:
                 copy = storage.WorkingCopy(workdir, owns=_written_here)  # of a gs:// workdir: pulled from it
-                held.callback(copy.close)
-                if jax.process_index() != 0:  # process 0 pushes when it releases the lock
-                    held.callback(copy.push, True)
+                held.callback(copy.close)  # writes its files back; process 0's before it releases the lock
                 return _train(config, copy, devices, held, request)
         except KeyboardInterrupt:  # a stop at once, where the process lives on; a save under way was finished
             name = request.received[-1] if request.received else "SIGINT"

@@ -39,7 +39,7 @@ rates = []
 for run in range(int(sys.argv[5])):
     started = time.perf_counter()
     _, tokens = eras.build_era(cache, run, documents, tokenizer,
-                               {"document": 0, "token": 0, "state_position": 0, "state": None}, 1 << 40,
+                               {"document": 0, "token": 0, "state_position": 0, "state": None}, 0, 1 << 40,
                                log=lambda line: None)
     rates.append(sum(len(t.encode()) for t in texts) / (time.perf_counter() - started))
 print(json.dumps(rates))

@@ -378,7 +378,7 @@ def main(argv: list[str]) -> None:
         if command == "import" and storage.is_remote(values.workdir):
             raise ExportError(f"import into a local --workdir, not {values.workdir}; a run on the bucket starts "
                               f"from it with train.py --config.init_params_from=THAT_WORKDIR")
-        with storage.working_copy(values.workdir) as copy:  # of a gs:// workdir: its files, pulled
+        with storage.WorkingCopy(values.workdir) as copy:  # of a gs:// workdir: its files, pulled
             if command == "export":
                 export(copy.local, values.out, values.step, values.overwrite)
             else:

@@ -1,19 +1,15 @@
-"""Workdirs on Cloud Storage (`--workdir gs://bucket/path`): a local working copy of a run's files, written
-back whole, and the run's lease on the workdir (docs/cloud_storage.md).
-
-Checkpoints go to the bucket through Orbax. Every other file of a workdir the code reads and writes as a local
-file, in a working copy: pulled when the run starts (all but checkpoints and traces), pushed back object by
-object (a whole-object write is atomic on Cloud Storage, which has no rename) at each log, before each
-checkpoint (so a checkpoint on the bucket has its metrics there) and at the end. A local workdir is its own
-working copy: nothing is copied. Files go through fsspec's gcsfs, as Orbax's own do; the lease through
-google-cloud-storage, which has the generation preconditions a lease needs.
-"""
+"""Workdirs on Cloud Storage (`--workdir gs://bucket/path`, docs/cloud_storage.md): checkpoints go to the
+bucket through Orbax; every other file is a local file of a working copy, pushed back whole (atomic on Cloud
+Storage, which has no rename) through gcsfs, as Orbax's own files; the run's lock is a lease, through
+google-cloud-storage's generation preconditions. A local workdir is its own working copy."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
+import pathlib
 import posixpath
 import shutil
 import socket
@@ -23,9 +19,8 @@ import time
 
 from andrea_jax import UserError
 
-# Before gcsfs is imported (by us or by Orbax): gcsfs's experimental zonal-bucket support asks a gRPC service
-# about every bucket, and where that does not answer (an emulator, a network without it) waits 60 s an
-# operation. Epath then uses gcsfs for Orbax's files too, also where TensorFlow is installed (Colab).
+# Before gcsfs is imported: its experimental zonal-bucket support asks a gRPC service about every bucket, and
+# where none answers (an emulator) waits 60 s an operation. Orbax's epath then uses gcsfs also beside TensorFlow.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("EPATH_USE_TF", "false")
 
@@ -37,7 +32,7 @@ _TIMEOUT_S = 10  # a request of the start-up gives up after this: an unreachable
 _NOT_PULLED = ("checkpoints/", "checkpoints_unreadable/", "profile/", LOCK_NAME)  # profile/: the traces
 _RETRY_PUSH_S = 5
 
-_copies: dict[str, str] = {}  # the local directory of each working copy this process holds -> its workdir
+_copies: dict[str, "WorkingCopy"] = {}  # the working copies of gs:// workdirs this process holds, by directory
 
 
 class StorageError(UserError):
@@ -51,33 +46,17 @@ def is_remote(path: str | os.PathLike) -> bool:
 def remote_of(path: str | os.PathLike) -> str | None:
     """The gs:// workdir whose working copy `path` is (itself if it is one); None for a local workdir."""
     path = os.fspath(path)
-    return path.rstrip("/") if is_remote(path) else _copies.get(os.path.abspath(path))
+    return path.rstrip("/") if is_remote(path) else getattr(_copies.get(os.path.abspath(path)), "remote", None)
 
 
 def shown(path: str | os.PathLike) -> str:
     """`path` as the user named it: in a working copy, the same place in its workdir on the bucket."""
     path = os.fspath(path)
     absolute = os.path.abspath(path)
-    for local, remote in _copies.items():
+    for local, copy in _copies.items():
         if absolute == local or absolute.startswith(local + os.sep):
-            return remote + absolute[len(local):].replace(os.sep, "/")
+            return copy.remote + absolute[len(local):].replace(os.sep, "/")
     return path
-
-
-@contextlib.contextmanager
-def working_copy(workdir: str, owns=lambda name: False):
-    """A `WorkingCopy` of `workdir` for a command that reads a run (eval.py, the plots, the export): the files
-    it `owns` are written back at the end."""
-    copy = WorkingCopy(workdir, owns)
-    try:
-        yield copy
-        copy.push(wait=True)
-    finally:
-        copy.close()
-
-
-def join(directory: str, *names: str) -> str:
-    return posixpath.join(directory, *names) if is_remote(directory) else os.path.join(directory, *names)
 
 
 def names_in(directory: str) -> list[str]:
@@ -85,9 +64,9 @@ def names_in(directory: str) -> list[str]:
     if not is_remote(directory):
         return os.listdir(directory) if os.path.isdir(directory) else []
     fs, root = _filesystem(directory)
-    with _explained(directory):
-        return [posixpath.basename(name.rstrip("/")) for name in fs.ls(root, detail=False, refresh=True)
-                if name.rstrip("/") != root.rstrip("/")] if fs.exists(root) else []
+    with contextlib.suppress(FileNotFoundError), _explained(directory):
+        return [posixpath.basename(name.rstrip("/")) for name in fs.ls(root, detail=False, refresh=True)]
+    return []
 
 
 def exists(path: str) -> bool:
@@ -102,6 +81,7 @@ def exists(path: str) -> bool:
 def rename(source: str, destination: str) -> None:
     """Moves a file or directory; on Cloud Storage object by object (copy, then delete)."""
     if not is_remote(source):
+        os.makedirs(os.path.dirname(destination), exist_ok=True)
         os.replace(source, destination)
         return
     fs, root = _filesystem(source)
@@ -126,25 +106,28 @@ def _filesystem(url: str):
 
 class WorkingCopy:
     """The local files of `workdir`: the directory itself, or for a gs:// workdir a copy in a directory of its
-    own, pulled from the bucket when made. `owns(name)` says which files this process writes back (the
-    training run's process 0 all of them, another process its own traces; a reader none)."""
+    own, pulled from the bucket when made and pushed back at `close`. `owns(name)` says which files this process
+    writes back (the training run's process 0 all of them, another process its own traces, eval.py its report)."""
 
-    def __init__(self, workdir: str, owns=lambda name: True):
-        self.remote, self.owns, self.lease = remote_of(workdir), owns, None
+    def __init__(self, workdir: str, owns=lambda name: False):
+        self.remote, self.owns, self.lease, self._closed = remote_of(workdir), owns, None, False
         if self.remote is None:
             self.local = os.fspath(workdir)
             return
         check_reachable(self.remote)
         self.fs, self.root = _filesystem(self.remote)
         self.local = tempfile.mkdtemp(prefix="andrea_workdir_")
-        _copies[os.path.abspath(self.local)] = self.remote
-        self._known: dict[str, tuple | None] = {}  # name -> (size, mtime) as last pulled or pushed
-        self._pending: dict[str, bytes | None] = {}  # name -> what to write (None: delete), for the pusher
-        self._failure: tuple[float, str] | None = None  # since when pushes fail, and why
-        self._changed, self._closing, self._busy = threading.Condition(), False, False
-        self._pusher = threading.Thread(target=self._push_pending, daemon=True, name="workdir-push")
-        self._pusher.start()
+        _copies[os.path.abspath(self.local)] = self
+        self._known: dict[str, tuple | None] = {}  # name -> (size, mtime) as last pulled or handed to a push
+        self._uploads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="workdir-push")  # in order
+        self._last, self.failure = None, None  # the latest push; why the latest write failed, None once one works
         self.pull()
+
+    def __enter__(self) -> "WorkingCopy":
+        return self
+
+    def __exit__(self, *failure) -> None:
+        self.close()
 
     @property
     def created(self) -> bool:
@@ -160,19 +143,19 @@ class WorkingCopy:
             return
         self.fs.invalidate_cache()  # another process may have pushed since this one listed
         with _explained(self.remote):
-            objects = {posixpath.relpath(name, self.root): name for name in self.fs.find(self.root)}
-            for name, source in objects.items():
-                if name.startswith(_NOT_PULLED) or name.endswith("/"):
-                    continue
-                target = os.path.join(self.local, name)
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                with open(target, "wb") as f:
-                    f.write(self.fs.cat_file(source))
-                self._known[name] = _signature(target)
+            for source in self.fs.find(self.root):
+                name = posixpath.relpath(source, self.root)
+                if not name.startswith(_NOT_PULLED):
+                    target = os.path.join(self.local, name)
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    with open(target, "wb") as f:
+                        f.write(self.fs.cat_file(source))
+                    self._known[name] = _signature(target)
 
     def push(self, wait: bool = False) -> None:
-        """Hands the files changed since the last push (and the deletions) to the pusher thread; `wait`: until
-        they are on the bucket, unless pushes are failing (training goes on; the next push tries again)."""
+        """Hands the files changed since the last push (and the deletions) to the upload thread, read now;
+        `wait`: until they are on the bucket, unless writes are failing (training goes on, and a file whose
+        write failed goes again with the next push)."""
         if self.remote is None or not os.path.isdir(self.local):
             return
         if self.lease is not None:
@@ -182,81 +165,71 @@ class WorkingCopy:
             signature = _signature(os.path.join(self.local, name))
             if signature != self._known.get(name) and self.owns(name):
                 with contextlib.suppress(FileNotFoundError):  # gone since it was listed
-                    changes[name] = _read(os.path.join(self.local, name)) if signature else None
+                    changes[name] = pathlib.Path(self.local, name).read_bytes() if signature else None
                     self._known[name] = signature
-        with self._changed:
-            self._pending.update(changes)
-            self._changed.notify_all()
-            while wait and (self._pending or self._busy) and self._failure is None:
-                self._changed.wait()
+        if changes:
+            self._last = self._uploads.submit(self._write, changes)
+        if wait and self._last is not None and self.failure is None:
+            concurrent.futures.wait([self._last])
 
     def _local_names(self) -> list[str]:
-        names = []
-        for directory, _, files in os.walk(self.local):
-            names += [os.path.relpath(os.path.join(directory, name), self.local) for name in files
-                      if ".tmp" not in name]  # a file being written atomically: its rename comes next
-        return names
+        return [os.path.relpath(os.path.join(directory, name), self.local)
+                for directory, _, files in os.walk(self.local) for name in files
+                if ".tmp" not in name]  # a file being written atomically: its rename comes next
 
-    def _push_pending(self) -> None:
-        while True:
-            with self._changed:
-                while not self._pending and not self._closing:
-                    self._changed.wait()
-                if not self._pending:
-                    return
-                name, content = next(iter(self._pending.items()))
-                self._busy = True
+    def _write(self, changes: dict[str, bytes | None]) -> None:
+        for name, content in changes.items():
+            target = posixpath.join(self.root, name)
             try:
-                target = posixpath.join(self.root, name)
                 if content is None:
                     with contextlib.suppress(FileNotFoundError):
                         self.fs.rm_file(target)
                 else:
                     self.fs.pipe_file(target, content)
-                failure = None
-            except Exception as error:  # the bucket unreachable: kept, and tried again
-                failure = (self._failure or (time.monotonic(), ""))[0], f"{type(error).__name__}: {error}"[:200]
-            with self._changed:
-                self._busy, self._failure = False, failure
-                if failure is None and self._pending.get(name, b"") is content:
-                    del self._pending[name]
-                self._changed.notify_all()
-            if failure is not None:
-                time.sleep(_RETRY_PUSH_S)
+                self.failure = None
+            except Exception as error:  # the bucket unreachable: the next push sends it again
+                self._known[name], self.failure = _UNWRITTEN, f"{type(error).__name__}: {error}"[:200]
 
     def close(self) -> None:
-        """Ends the pusher once what is left is written (a minute at most while the bucket fails), then removes
-        the copy; one line where files could not be written back, which are then kept in the copy."""
-        if self.remote is None:
+        """Pushes what is left (trying for a minute while the bucket fails), then removes the copy; one line
+        where files could not be written back, which are then kept in the copy."""
+        if self.remote is None or self._closed:
             return
-        deadline = time.monotonic() + 60
-        with self._changed:
-            while (self._pending or self._busy) and time.monotonic() < deadline:
-                self._changed.wait(1)
-            self._closing = True
-            self._changed.notify_all()
+        self._closed = True
+        for _ in range(12):
+            self.push(wait=True)
+            concurrent.futures.wait([self._last] if self._last else [])
+            if _UNWRITTEN not in self._known.values():
+                break
+            time.sleep(_RETRY_PUSH_S)
+        self._uploads.shutdown()
         _copies.pop(os.path.abspath(self.local), None)
-        if self._pending:
-            raise StorageError(f"{len(self._pending)} files could not be written back to {self.remote} "
-                               f"({self._failure and self._failure[1]}); they are in {self.local}: copy them "
-                               f"with `gcloud storage cp -r {self.local}/* {self.remote}/` before the next run")
+        unwritten = [name for name, signature in self._known.items() if signature is _UNWRITTEN]
+        if unwritten:
+            raise StorageError(f"{len(unwritten)} files could not be written back to {self.remote} ({self.failure}); "
+                               f"they are in {self.local}: copy them with `gcloud storage cp -r {self.local}/* "
+                               f"{self.remote}/` before the next run")
         shutil.rmtree(self.local, ignore_errors=True)
 
 
+_UNWRITTEN = ("unwritten",)  # the signature of a file whose write failed: it differs from the file's own
+
+
 def _signature(path: str) -> tuple | None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         status = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return status.st_size, status.st_mtime_ns
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+        return status.st_size, status.st_mtime_ns
+    return None
 
 
 # --- The lease -------------------------------------------------------------------------------------------
+
+def hold(path: str):
+    """Takes the lease on the gs:// workdir whose working copy `path` is (`Lease`); returns what releases it."""
+    copy = _copies[os.path.abspath(path)]
+    copy.lease = Lease(copy.remote).acquire()
+    return copy.lease.release
+
 
 class Lease:
     """The run's lock on a gs:// workdir: `run.lock`, an object created only where absent (a generation
@@ -304,16 +277,12 @@ class Lease:
                 text = lock.download_as_text(retry=_retry(), timeout=_TIMEOUT_S)
             except exceptions.NotFound:  # released meanwhile
                 return "a run that just ended", None, True
-        generation, updated = lock.generation, lock.updated
-        try:
-            holder = json.loads(text)
-        except ValueError:
-            holder = {}
-        age = time.time() - updated.timestamp() if updated else 0.0
+        holder = json.loads(text) if text.startswith("{") else {}
+        age = time.time() - lock.updated.timestamp()
         gone = holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", 0)))
         about = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}, "
                  f"lock renewed {age:.0f} s ago")
-        return about, generation, gone or age > LEASE_S
+        return about, lock.generation, gone or age > LEASE_S
 
     def _renew(self) -> None:
         while not self._stopped.wait(RENEW_S) and self._renew_once():
@@ -353,7 +322,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except OSError:  # another user's process
-        return True
+        pass
     return pid > 0
 
 

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--text", action="store_true", help="also the start of each window's text")
     parser.add_argument("--json", action="store_true", help="one JSON object a line")
     arguments = parser.parse_args(argv)
-    with storage.working_copy(arguments.workdir) as copy:  # of a gs:// workdir: its records, pulled
+    with storage.WorkingCopy(arguments.workdir) as copy:  # of a gs:// workdir: its records, pulled
         _print_windows(copy.local, arguments)
 
 

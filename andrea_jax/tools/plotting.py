@@ -113,7 +113,7 @@ def main(argv: list[str]) -> None:
     from andrea_jax.runtime import storage
 
     def plot() -> None:
-        with storage.working_copy(flags.FLAGS.workdir, owns=lambda name: name == PLOT_FILE) as copy:
+        with storage.WorkingCopy(flags.FLAGS.workdir, owns=lambda name: name == PLOT_FILE) as copy:
             print(f"wrote {storage.shown(plot_run(copy.local, flags.FLAGS.out))}")
 
     cli.run(plot, join_cluster=False)
