@@ -220,3 +220,22 @@ def test_two_processes_with_their_own_caches_log_what_one_logs(cloud, tmp_path):
            if "loss" in r]
     assert [step for step, _ in got] == [step for step, _ in expected] == list(range(2, 41, 2))
     assert [loss for _, loss in got] == pytest.approx([loss for _, loss in expected], rel=2e-6)
+
+
+def test_a_checkpoint_the_storage_cannot_take_is_one_line_naming_the_newest_kept(tmp_path, monkeypatch):
+    """What Orbax raises once its writes' retries are spent (a bucket down for longer) reaches the user as one line."""
+    from andrea_jax import checkpoint
+
+    ckpt = checkpoint.Checkpointer(str(tmp_path))
+
+    def retries_spent():
+        raise ValueError('ABORTED: Error writing "w0/0" in OCDBT database at gs://bkt/run/checkpoints/10/params/: '
+                         "All 32 retry attempts failed\nmore lines")
+
+    monkeypatch.setattr(ckpt._manager, "wait_until_finished", retries_spent)
+    monkeypatch.setattr(ckpt._manager, "all_steps", lambda: [5, 10])
+    with pytest.raises(checkpoint.CheckpointError, match=r"^a checkpoint could not be written to .*/checkpoints "
+                                                         r"\(ValueError: ABORTED: Error writing .*\); the newest one "
+                                                         r"kept is step 10: run the same command to resume from it "
+                                                         r"once the storage answers$"):
+        ckpt.wait()

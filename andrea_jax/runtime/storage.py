@@ -178,7 +178,7 @@ class WorkingCopy:
                 if ".tmp" not in name]  # a file being written atomically: its rename comes next
 
     def _write(self, changes: dict[str, bytes | None]) -> None:
-        for name, content in changes.items():
+        for index, (name, content) in enumerate(changes.items()):
             target = posixpath.join(self.root, name)
             try:
                 if content is None:
@@ -187,19 +187,21 @@ class WorkingCopy:
                 else:
                     self.fs.pipe_file(target, content)
                 self.failure = None
-            except Exception as error:  # the bucket unreachable: the next push sends it again
-                self._known[name], self.failure = _UNWRITTEN, f"{type(error).__name__}: {error}"[:200]
+            except Exception as error:  # the bucket unreachable (after gcsfs's retries): the next push sends them
+                self.failure = f"{type(error).__name__}: {error}"[:200]
+                self._known.update(dict.fromkeys(list(changes)[index:], _UNWRITTEN))
+                return
 
     def close(self) -> None:
         """Pushes what is left (trying for a minute while the bucket fails), then removes the copy; one line
         where files could not be written back, which are then kept in the copy."""
         if self.remote is None or self._closed:
             return
-        self._closed = True
-        for _ in range(12):
+        self._closed, deadline = True, time.monotonic() + 60
+        while True:
             self.push(wait=True)
             concurrent.futures.wait([self._last] if self._last else [])
-            if _UNWRITTEN not in self._known.values():
+            if _UNWRITTEN not in self._known.values() or time.monotonic() > deadline:
                 break
             time.sleep(_RETRY_PUSH_S)
         self._uploads.shutdown()
