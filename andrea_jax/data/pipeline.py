@@ -3,7 +3,8 @@ split's token file -> the workdir's record of them.
 
 The leading process opens the source, trains or loads the tokenizer and builds
 the caches; the others then read what it wrote (so the workdir and
-`data.cache_dir` must be on a filesystem all processes share). The order, and
+`data.cache_dir` must be on a filesystem all processes share), or on a gs://
+workdir build their own from its tokenizer (docs/cloud_storage.md). The order, and
 how a failure on any process reaches the others, is `andrea_jax/runtime/leader_first.py`.
 """
 
