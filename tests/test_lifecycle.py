@@ -32,7 +32,6 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, inva
 
 from andrea_jax import metrics
 from tests.test_data_eras import stream_run
-from tests.test_multihost import free_port
 from tests.test_resume import checkpoint_steps, last_logged_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,11 +103,11 @@ def budget(steps: int) -> int:
 class Run:
     """One train.py process on `workdir`, its output in a file read while it runs."""
 
-    def __init__(self, world, workdir, steps, level, *flags, ignore_sigint=False, processes=None, **env):
+    def __init__(self, world, workdir, steps, level, *flags, ignore_sigint=False, **env):
         descriptor, self.log = tempfile.mkstemp(suffix=".log", dir=world["logs"])
         command = [sys.executable, os.path.join(ROOT, "train.py"), "--config", str(world["config_file"]),
                    "--workdir", workdir, *FLAGS, f"--config.steps={steps}",
-                   f"--config.data.stream_tokens={budget(level)}", *flags, *(processes or ())]
+                   f"--config.data.stream_tokens={budget(level)}", *flags]
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             command, stdout=descriptor, stderr=subprocess.STDOUT, env=dict(world["env"], **env), cwd=ROOT,
@@ -488,34 +487,3 @@ def test_the_lifecycle_keeps_its_invariants(world):
     print(f"lifecycle: {COUNTS['sequences']} sequences, {COUNTS['events']} events, "
           f"{COUNTS['train.py runs']} train.py runs")
     assert COUNTS["sequences"] >= min(SOAK or 2, 2) and COUNTS["events"] > 0
-
-
-@pytest.mark.parametrize("signals, to", [(("SIGTERM",), 1), (("SIGINT", "SIGINT"), 0)])
-def test_two_processes_stop_while_a_step_waits_for_its_era(world, tmp_path, signals, to):
-    """The encoder stalls once checkpoint 3 is written, so a later step waits for its era for minutes: a stop sent
-    to one process ends both within seconds, in one line each, the last finished step saved or the run stopped at
-    once by the second Ctrl-C."""
-    workdir, port = str(tmp_path / "run"), free_port()
-    distributed = lambda rank: (f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                                f"--process_id={rank}", "--distributed_timeout=20")
-    runs = [Run(world, workdir, S3, S3, f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.data.keep_eras=3",
-                processes=distributed(rank),
-                JAX_NUM_CPU_DEVICES="1", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", XLA_FLAGS="",
-                ANDREA_TEST_STALL_AFTER=os.path.join(workdir, "checkpoints", "3")) for rank in range(2)]
-    try:
-        assert wait_until(lambda: "waits for era" in runs[0].output(), runs[0]), runs[0].output()[-3000:]
-        time.sleep(1)
-        for i, name in enumerate(signals):
-            time.sleep(0.2 if i else 0)
-            runs[to].process.send_signal(getattr(signal, name))
-        codes = [run.finish(timeout=30) for run in runs]
-    finally:
-        for run in runs:
-            run.process.kill()
-            run.process.wait()
-    for run, rc in zip(runs, codes):
-        check_no_crash(run, rc)
-    # Process 0 says how the run ended: the last finished step saved, or (a second Ctrl-C) stopped at once.
-    stopped = re.search(r"stopped at step (\d+)", runs[0].output())
-    assert (codes[0] == 0 and stopped and int(stopped.group(1)) in checkpoint_steps(workdir)) or (
-        len(signals) == 2 and codes[0] == 2), runs[0].output()[-3000:]
