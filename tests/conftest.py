@@ -12,9 +12,16 @@ import contextlib
 import fcntl
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
+
+# The train.py processes the tests start take Ctrl-C as a user's terminal sends it. A shell starts a background
+# job with SIGINT ignored, and a child keeps that (train.py then leaves Ctrl-C alone, as a background job should):
+# in a suite run in the background, every test of a Ctrl-C would wait for a stop that never comes.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -210,8 +210,7 @@ def test_a_stop_while_both_processes_wait_for_an_era_stops_both_in_seconds(tmp_p
     port = free_port()
     procs = [subprocess.Popen([sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                                f"--process_id={rank}", f"--distributed_timeout={TIMEOUT_S}"], cwd=ROOT, env=stalled,
-                              stdout=open(tmp_path / f"wait{rank}.log", "w"), stderr=subprocess.STDOUT,
-                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                              stdout=open(tmp_path / f"wait{rank}.log", "w"), stderr=subprocess.STDOUT)
              for rank in range(2)]
     try:
         deadline = time.time() + 300

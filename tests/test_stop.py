@@ -80,8 +80,7 @@ with stop.stop_requests(exit_process=True) as request:
 def test_a_stop_at_once_ends_the_process_in_one_line_after_its_clean_up(tmp_path, phase, signals):
     marker = tmp_path / "cleaned"
     process = subprocess.Popen([sys.executable, "-c", _AT_ONCE, str(marker), phase], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert process.stdout.readline() == "ready\n"
     for name in signals:
         process.send_signal(getattr(signal, name))
