@@ -46,12 +46,12 @@ class TrainingStopped(UserError):
     """The run stopped on purpose (non-finite loss); the message says what to do."""
 
 
-def prepare_run(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, leader: bool,
+def prepare_run(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, leader: bool, own_data: bool,
                 held: contextlib.ExitStack, request: stop.StopRequest, device: Any = None
                 ) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
-    """Checks the workdir, takes it and the run's identity (docs/lifecycle.md), prepares the data, fills in the
-    tokenizer's vocabulary size and what "auto" stands for on `device` (`resolve.for_devices`; config
-    validated). Returns (prepared data, config, the config the workdir's run was started with or None); the
+    """Checks the workdir, takes it and the run's identity (docs/lifecycle.md), prepares the data (`own_data`: in
+    each process, else process 0's for all), fills in the tokenizer's vocabulary size and what "auto" stands for
+    on `device` (`resolve.for_devices`; config validated). Returns (prepared data, config, the config the workdir's run was started with or None); the
     leader's locks are released with `held`, and a workdir it creates is removed again by a failure or a stop
     before the first step."""
     first_step_started, workdir = (lambda: request.training), copy.local
@@ -91,12 +91,10 @@ def prepare_run(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, le
         prepared = prepare_data(is_leader=True)
         if created and prepared.train.encoded_beside_training:  # the eras of a new run are its own, keyed by its id
             undo_if_unstarted(partial(shutil.rmtree, prepared.train.directory))
-        copy.push(wait=True)  # with several processes on a gs:// workdir, the others pull the records from there
+        if own_data:  # the other processes prepare theirs from the tokenizer and records pushed here
+            copy.push(wait=True)
         return prepared
 
-    # On a gs:// workdir each process keeps the data in its own data.cache_dir (docs/cloud_storage.md): it
-    # prepares them as process 0 does, from the tokenizer and records process 0 wrote back.
-    own_data = _own_data(copy)
     # The step it resumes at decides whether a larger stream budget can go on where the run's ended.
     prepare_data = lambda is_leader: pipeline.prepare(config, workdir, is_leader=is_leader or own_data,
                                                       first_step=max(checkpoint.saved_steps(workdir), default=0),
@@ -172,11 +170,14 @@ def _train(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, devices
     if config.hellaswag.every:  # before the data work: offline, an unprepared TFDS HellaSwag stops in seconds
         read = lambda: hellaswag.load(config.hellaswag.source, config.data.tfds_data_dir)
         hellaswag_examples = leader_first(leader, read, read, "prepare the HellaSwag examples")
-    prepared, config, saved = prepare_run(config, copy, leader, held, request, device=mesh.devices.flat[0])
+    # On a gs:// workdir each process keeps the data in its own data.cache_dir (docs/cloud_storage.md), where
+    # no disk need be shared; else process 0 prepares them for all.
+    own_data = copy.remote is not None and jax.process_count() > 1
+    prepared, config, saved = prepare_run(config, copy, leader, own_data, held, request, device=mesh.devices.flat[0])
     if leader and copy.remote is not None:
         print(f"checkpoints go to {copy.remote} through Orbax; metrics, TensorBoard events and traces are written in "
               f"{copy.local} and copied there at each log and checkpoint (docs/cloud_storage.md)", flush=True)
-    encoder = _start_encoder(config, workdir, prepared, held, _own_data(copy))  # encodes while the step compiles
+    encoder = _start_encoder(config, workdir, prepared, held, own_data)  # encodes while the step compiles
     mesh = sharding.make_mesh(config, devices)  # again: a resume keeps its own micro-batches, which must split here
     hellaswag_rows = None if hellaswag_examples is None else \
         hellaswag.rows_of(hellaswag_examples, config.hellaswag.examples, prepared.tokenizer)
@@ -233,7 +234,7 @@ def _train(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, devices
         held.callback(writer.close)
         if encoder is not None and encoder.first_step != start_step:  # a newer checkpoint was unreadable
             encoder.restart(start_step)
-        reader, make_batch = _batches(config, prepared, encoder, delete_passed=leader or _own_data(copy))
+        reader, make_batch = _batches(config, prepared, encoder, delete_passed=leader or own_data)
         step_trace = trace.StepTrace(workdir, config, start_step)
         held.callback(step_trace.close)
         if prepared.train.encoded_beside_training and start_step < config.steps:  # the wait for the first era in
@@ -241,12 +242,6 @@ def _train(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, devices
         request.training, request.saving = True, ckpt.saving
         return _loop(steps, state, start_step, carried_losses, carried_seconds, target_reached, prepared, make_batch,
                      reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace, copy, request)
-
-
-def _own_data(copy: storage.WorkingCopy) -> bool:
-    """Whether each process keeps the run's data in its own data.cache_dir: on a gs:// workdir
-    (docs/cloud_storage.md), where no disk need be shared; else process 0 prepares them for all."""
-    return copy.remote is not None and jax.process_count() > 1
 
 
 def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pipeline.Prepared,
