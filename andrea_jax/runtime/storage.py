@@ -61,8 +61,6 @@ def shown(path: str | os.PathLike) -> str:
 
 def names_in(directory: str) -> list[str]:
     """The names in `directory` (local or gs://); none where it does not exist."""
-    if not is_remote(directory):
-        return os.listdir(directory) if os.path.isdir(directory) else []
     fs, root = _filesystem(directory)
     with contextlib.suppress(FileNotFoundError), _explained(directory):
         return [posixpath.basename(name.rstrip("/")) for name in fs.ls(root, detail=False, refresh=True)]
@@ -70,8 +68,6 @@ def names_in(directory: str) -> list[str]:
 
 
 def exists(path: str) -> bool:
-    if not is_remote(path):
-        return os.path.exists(path)
     fs, root = _filesystem(path)
     fs.invalidate_cache(root)  # another writer (Orbax's tensorstore, another process) may have added it
     with _explained(path):
@@ -79,20 +75,15 @@ def exists(path: str) -> bool:
 
 
 def rename(source: str, destination: str) -> None:
-    """Moves a file or directory; on Cloud Storage object by object (copy, then delete)."""
-    if not is_remote(source):
-        os.makedirs(os.path.dirname(destination), exist_ok=True)
-        os.replace(source, destination)
-        return
+    """Moves a file or directory (on Cloud Storage object by object: copy, then delete)."""
     fs, root = _filesystem(source)
+    target = _filesystem(destination)[1]
     with _explained(source):
-        fs.mv(root, _filesystem(destination)[1], recursive=True)
+        fs.makedirs(posixpath.dirname(target), exist_ok=True)
+        fs.mv(root, target, recursive=True)
 
 
 def remove_tree(path: str) -> None:
-    if not is_remote(path):
-        shutil.rmtree(path, ignore_errors=True)
-        return
     fs, root = _filesystem(path)
     with contextlib.suppress(FileNotFoundError), _explained(path):
         fs.rm(root, recursive=True)
@@ -358,6 +349,8 @@ def _explained(workdir: str):
     except StorageError:
         raise
     except Exception as error:
+        if not is_remote(workdir):  # a local path's errors are its own
+            raise
         from google.api_core import exceptions
         from google.auth import exceptions as auth
 
