@@ -91,8 +91,9 @@ def prepare_run(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, le
         prepared = prepare_data(is_leader=True)
         if created and prepared.train.encoded_beside_training:  # the eras of a new run are its own, keyed by its id
             undo_if_unstarted(partial(shutil.rmtree, prepared.train.directory))
-        if own_data:  # the other processes prepare theirs from the tokenizer and records pushed here
-            copy.push(wait=True)
+        # On a gs:// workdir, the run's identity and records are on the bucket from here on (a run killed before
+        # its first log resumes as this run), and the other processes prepare their data from them.
+        copy.push(wait=True)
         return prepared
 
     # The step it resumes at decides whether a larger stream budget can go on where the run's ended.
