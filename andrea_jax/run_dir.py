@@ -182,11 +182,15 @@ def lock(descriptor: int, about: str = "") -> int:
     no locks; either way the descriptor is closed."""
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as error:
-        holder = os.pread(descriptor, 300, 0).decode("utf-8", "replace").strip() or "another process"
+    except BlockingIOError:
+        holder, deadline = "", time.monotonic() + 1
+        while not holder and time.monotonic() < deadline:  # a holder writes itself in right after it locks
+            holder = os.pread(descriptor, 300, 0).decode("utf-8", "replace").strip()
+            time.sleep(0 if holder else 0.01)
         os.close(descriptor)
-        if isinstance(error, BlockingIOError):
-            raise Held(holder) from None
+        raise Held(holder or "another process") from None
+    except OSError:
+        os.close(descriptor)
         raise
     try:
         os.ftruncate(descriptor, 0)

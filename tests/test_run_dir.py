@@ -1,12 +1,14 @@
 """The workdir guards: a run's config and tokenizer, foreign directories, damaged checkpoints."""
 
 import errno
+import fcntl
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 
 import jax
 import pytest
@@ -300,3 +302,16 @@ def test_init_params_from_starts_a_new_workdir_with_another_seq_len_from_the_che
     assert "the parameters start from step 10 of " in capsys.readouterr().out
     anew = train_loop.train(fresh, str(tmp_path / "anew"), devices=jax.devices()[:1])["loss"]
     assert started < anew - 0.2  # the trained parameters' first step, against an initialisation's
+
+
+def test_a_refusal_between_the_holders_lock_and_its_text_still_names_the_holder(tmp_path):
+    """Two starts at once: the second may find the lock taken and its text not yet written."""
+    path = str(tmp_path / run_dir.LOCK_FILE)
+    holder = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked; the holder writes itself in 0.2 s later
+    threading.Timer(0.2, os.pwrite, (holder, b"pid 123 on host, started now", 0)).start()
+    try:
+        with pytest.raises(run_dir.Held, match="^pid 123 on host, started now$"):
+            run_dir.lock(os.open(path, os.O_RDWR))
+    finally:
+        os.close(holder)

@@ -40,6 +40,19 @@ def test_an_ignored_ctrl_c_stays_ignored_after_a_sigterm():
         signal.signal(signal.SIGINT, previous)
 
 
+def test_where_the_process_ends_with_the_run_its_stops_are_ignored_after_the_run(default_sigint):
+    """train.py: after the run a signal has nothing left to stop, and Python's teardown would give a handler's
+    signal its default action back before XLA's objects are freed (rc -15, no line): both are ignored."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with stop.stop_requests(exit_process=True):
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, previous)
+        assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        deliver(signal.SIGTERM)  # ignored: this process lives on
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_second_ctrl_c_waits_for_a_save_in_flight_and_otherwise_stops_at_once(default_sigint):
     saving = [False]
     with stop.stop_requests(exit_process=False) as request:

@@ -117,7 +117,10 @@ def _try_get(client, key: str) -> str | None:
 def stop_requests(exit_process: bool) -> Iterator[StopRequest]:
     """The run's StopRequest (`exit_process`: a stop at once ends the process), its handlers installed for
     SIGTERM and SIGINT (each unless the process was started ignoring it, as a shell starts a background job's
-    SIGINT) and put back on exit, with its keys in the runtime's store (a later run in these processes)."""
+    SIGINT), with its keys in the runtime's store (a later run in these processes). On exit the handlers are
+    put back; where the process ends with the run (train.py) the signals are ignored instead: the run has
+    nothing left to stop, and Python's teardown would give a handler's signal its default action back before
+    XLA's objects are freed (the process killed without a line)."""
     request, previous = StopRequest(exit_process), {}
     for sig in (signal.SIGTERM, signal.SIGINT):
         if signal.getsignal(sig) == signal.SIG_IGN:
@@ -128,7 +131,7 @@ def stop_requests(exit_process: bool) -> Iterator[StopRequest]:
         yield request
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if exit_process else handler)
         request._forget_vote()  # the last vote stays: a process may be reading it still
         if request._published:
             with contextlib.suppress(Exception):
