@@ -21,9 +21,15 @@ from configs import andrea120m, andrea120m_fineweb10b
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason='libtpu is not installed: pip install "jax[tpu]==<the installed jax>"')
-needs_cuda_plugin = pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
-                                       reason="JAX's CUDA plugin is not installed: "
-                                              "pip install -r requirements-gpu-compile.txt")
+_without_cuda_plugin = pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                                          reason="JAX's CUDA plugin is not installed: "
+                                                 "pip install -r requirements-gpu-compile.txt")
+
+
+def needs_cuda_plugin(test):
+    """A GPU compile: skipped without JAX's CUDA plugin, and marked `cuda_plugin`, which .ci/run's environment
+    with the plugin selects (the marker, not a name, so that no such test is left out)."""
+    return pytest.mark.cuda_plugin(_without_cuda_plugin(test))
 
 
 def fitted(topology, **overrides):
