@@ -51,9 +51,9 @@ def prepare_run(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, le
                 ) -> tuple[Any, ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
     """Checks the workdir, takes it and the run's identity (docs/lifecycle.md), prepares the data (`own_data`: in
     each process, else process 0's for all), fills in the tokenizer's vocabulary size and what "auto" stands for
-    on `device` (`resolve.for_devices`; config validated). Returns (prepared data, config, the config the workdir's run was started with or None); the
-    leader's locks are released with `held`, and a workdir it creates is removed again by a failure or a stop
-    before the first step."""
+    on `device` (`resolve.for_devices`; config validated). Returns (prepared data, config, the config the
+    workdir's run was started with or None); the leader's locks are released with `held`, and a workdir it
+    creates is removed again by a failure or a stop before the first step."""
     first_step_started, workdir = (lambda: request.training), copy.local
     saved = run_dir.load_saved_config(workdir)
     if jax.process_count() > 1:  # every process has seen the directory as it was before the leader writes to it
