@@ -260,9 +260,7 @@ def stream_run(tmp_path):
     (tmp_path / "slow").mkdir()
     (tmp_path / "slow" / "sitecustomize.py").write_text(SLOW_READS)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONPATH=str(tmp_path / "slow"),
-               ANDREA_TEST_READ_DELAY_S="0.01")
+               PYTHONPATH=str(tmp_path / "slow"), ANDREA_TEST_READ_DELAY_S="0.01")
     return dict(root=tmp_path, config=config, config_file=config_file, env=env)
 
 

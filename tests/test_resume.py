@@ -29,19 +29,17 @@ STEPS = 40
 
 
 def unbroken_run(tmp_path, **overrides):
-    """A 40-step config file (dropout on), a compilation cache, and the unbroken run's metrics.
+    """A 40-step config file (dropout on) and the unbroken run's metrics.
 
-    Every run here is a subprocess with one CPU device: runs compared bit for bit must
-    compile the same programs, and the shared cache compiles them once.
+    Every run here is a subprocess with one CPU device: runs compared bit for bit must compile the same
+    programs, and the suite's compilation cache (tests/conftest.py) compiles them once for every module.
     """
     config = tiny_config(tmp_path, steps=STEPS, eval_every=10, **{"model.dropout": 0.1, "peak_flops": 1e12},
                          **overrides)
     config_file = tmp_path / "run_config.py"
     config_file.write_text("import json\nimport ml_collections\n\n\ndef get_config():\n"
                            f"    return ml_collections.ConfigDict(json.loads({config.to_json()!r}))\n")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     paths = dict(root=tmp_path, config_file=config_file, env=env, unbroken=str(tmp_path / "unbroken"))
     process = start_train(paths, paths["unbroken"])
     output = process.communicate(timeout=600)[0]
