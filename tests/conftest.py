@@ -59,3 +59,17 @@ def pytest_runtest_protocol(item, nextitem):
         pass
     with _locked(lock, fcntl.LOCK_SH):
         yield
+
+
+# The modules that take longest, longest first (bench/RESULTS.md, the suite's timeline): the workers take whole
+# modules in collection order, so with these first the last modules either worker starts are short ones and both
+# end together. A module not named keeps its place after them; a stale list costs time, never a result.
+_LONGEST_FIRST = ("test_compile_check", "test_multihost", "test_data_eras", "test_cloud_storage", "test_train_loop",
+                  "test_lifecycle", "test_resume", "test_model", "test_train_step", "test_loss_scale", "test_watching",
+                  "test_eval")
+
+
+def pytest_collection_modifyitems(config, items):
+    module = lambda item: os.path.basename(item.nodeid.split("::")[0])[:-len(".py")]
+    rank = lambda item: _LONGEST_FIRST.index(module(item)) if module(item) in _LONGEST_FIRST else len(_LONGEST_FIRST)
+    items.sort(key=rank)  # stable: a module's tests keep their order
