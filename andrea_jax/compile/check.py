@@ -80,10 +80,11 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
     device (each orthogonalises whole matrices) to the compute side.
     """
     config, devices = steps.config, len(target.devices)
+    width, kind = config.model.d_model // config.model.n_head, target.devices[0].device_kind
     tokens = config.batch_size * config.seq_len
     model_flops = flops.flops_per_token(config.model, config.seq_len) * tokens
     attention_flops = flops.attention_flops_per_token(config.model, config.seq_len) * tokens
-    fill = target.fill_of(config.model.d_model // config.model.n_head)
+    fill = target.fill_of(width)
     optimizer_flops = (flops.newton_schulz_flops(config.model, int(config.optimizer.muon_ns_steps))
                        if config.optimizer.name == "muon" else 0.0)
     cost = steps.train.cost_analysis() or {}
@@ -93,8 +94,7 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
     peak = flops.device_peak_flops(target.devices[0], config.model.dtype)
     estimate, missing = None, "" if target.kernel_rates else "any kind of kernel"
     if target.kernel_rates:
-        width = config.model.d_model // config.model.n_head
-        shares = attention.kernel_shares(config.model.attention, config.seq_len, width, target.devices[0].device_kind)
+        shares = attention.kernel_shares(config.model.attention, config.seq_len, width, kind)
         try:
             estimate = kernel_time.estimate(hlo, target.kernel_rates, shares, fill)
         except kernel_time.MissingRate as error:
@@ -103,9 +103,7 @@ def step_cost(steps: fit.Steps, target: targets.Target) -> StepCost:
         return StepCost(model_flops, xla_flops, traffic, optimizer_flops, fill, None, None, estimate, missing)
     at_peak_flops = model_flops
     if fill < 1:
-        kind = target.devices[0].device_kind
-        computed = attention_flops * attention.products_computed(config.model.attention, config.seq_len,
-                                                                 config.model.d_model // config.model.n_head, kind)
+        computed = attention_flops * attention.products_computed(config.model.attention, config.seq_len, width, kind)
         at_peak_flops = max(model_flops, model_flops - attention_flops + computed / fill)
     seconds = max((at_peak_flops / devices + optimizer_flops) / peak,
                   sum(traffic.values()) / target.memory_bytes_per_second)

@@ -14,7 +14,6 @@ few waves (a 768 × 768 Newton–Schulz product on 132 cores) runs at a fraction
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import re
@@ -53,13 +52,11 @@ class Estimate:
     def top(self, count: int) -> list[tuple[str, str, float, int]]:
         """The `count` costliest kernels a step, identical fused computations together (a GPU runs them as
         one kernel under the first one's name, as a trace shows them): (name, kind, seconds, runs)."""
-        groups = collections.defaultdict(lambda: [None, None, 0.0, 0])
+        groups = {}
         for kernel in self.kernels:
             key = (re.sub(r"[._]\d+$", "", kernel.name), kernel.kind, kernel.op_name.split("/")[-1],
                    round(kernel.bytes), round(kernel.flops))
-            group = groups[key]
-            group[0] = group[0] or kernel.name
-            group[1] = kernel.kind
+            group = groups.setdefault(key, [kernel.name, kernel.kind, 0.0, 0])
             group[2] += kernel.seconds * kernel.times
             group[3] += kernel.times
         return sorted((tuple(group) for group in groups.values()), key=lambda group: -group[2])[:count]

@@ -47,14 +47,13 @@ GPU_PEAKS = {"h200": (989e12, 494.7e12), "h100": (989e12, 494.7e12), "a100_40gb"
 
 def gpu_rates(name: str, bandwidth: float, cores: int) -> KernelRates | None:
     """The H200's measured rates, or another GPU's published peaks at the H200's measured shares of them."""
-    if name not in GPU_PEAKS:
-        return None
-    h200_16bit, h200_float32 = GPU_PEAKS["h200"]
-    half, single = GPU_PEAKS[name]
     measured = H200_MEASURED
     if name == "h200":
         return KernelRates(**measured, cores=cores, source="measured on an H200 (bench/RESULTS.md)",
                            calibrated=True)
+    if name not in GPU_PEAKS:
+        return None
+    (half, single), (h200_16bit, h200_float32) = GPU_PEAKS[name], GPU_PEAKS["h200"]
     return KernelRates(
         products={"16-bit": half * measured["products"]["16-bit"] / h200_16bit,
                   "float32": single * measured["products"]["float32"] / h200_float32},
@@ -180,7 +179,6 @@ def gpu(name: str) -> Target:
 
 
 def gpu_kernel_rates(name: str) -> KernelRates | None:
-    """`gpu_rates` of the GPU gpu_targets/NAME.txtpb describes."""
     text = (GPU_TARGETS_DIR / f"{name}.txtpb").read_text()
     return gpu_rates(name, float(re.search(r"memory_bandwidth:\s*(\d+)", text).group(1)),
                      int(re.search(r"core_count:\s*(\d+)", text).group(1)))

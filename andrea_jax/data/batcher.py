@@ -68,7 +68,6 @@ def num_val_windows(num_tokens: int, seq_len: int) -> int:
 
 
 def num_val_batches(num_tokens: int, batch_size: int, seq_len: int) -> int:
-    """Whole batches of validation windows in the split."""
     return num_val_windows(num_tokens, seq_len) // batch_size
 
 

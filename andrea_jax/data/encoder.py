@@ -57,10 +57,9 @@ def _main() -> None:
     parser.add_argument("--process", type=int, default=None, help="the process whose own eras these are")
     arguments = parser.parse_args()
     config = ml_collections.ConfigDict(json.loads(arguments.config))
-    parent = arguments.parent
     with contextlib.suppress(OSError, AttributeError):  # Linux: die with the training run, even by kill -9
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    alive = lambda: os.getppid() == parent  # elsewhere: stop at the next check
+    alive = lambda: os.getppid() == arguments.parent  # elsewhere: stop at the next check
     splits = pipeline.open_splits(config)
     tokenizer = tokenizers.load(os.path.join(arguments.workdir, pipeline.TOKENIZER_FILE))
     cache = pipeline.train_cache(config, arguments.workdir, splits, tokenizer, preparing=False,

@@ -180,8 +180,8 @@ def _same_commit(cache: EraCache, documents: StreamedDocuments) -> None:
     if "dataset_revision" not in record:
         atomic.write(cache.record_path, json.dumps({**record, "dataset_revision": now}))
     elif record["dataset_revision"] != now:
-        raise token_cache.hf_stream_moved(documents.described, record["dataset_revision"], now,
-                                          "its eras in this run are of the old one: train the new one in a new workdir")
+        raise DataError(f"{documents.described} moved from commit {record['dataset_revision']} to {now} since this "
+                        f"cache began; its eras in this run are of the old one: train the new one in a new workdir")
 
 
 def _record_start(cache: EraCache, era: int, start: dict | None, final_tokens: int | None) -> None:
@@ -397,23 +397,17 @@ class Reader:
             del self._open[era]
 
 
-def drop_outside(cache: EraCache, layout: order.Layout, position: int, keep_eras: int) -> set[int]:
-    """Deletes the eras on disk outside the keep_eras of the run's order from `position` on; returns them."""
+def drop_outside(cache: EraCache, layout: order.Layout, position: int, keep_eras: int) -> None:
+    """Deletes the eras on disk outside the keep_eras of the run's order from `position` on."""
     window = {sequence % layout.num_eras for sequence in range(position, position + keep_eras)}
-    dropped = set(cache.on_disk()) - window
-    for era in dropped:
+    for era in set(cache.on_disk()) - window:
         cache.delete(era)
-    return dropped
-
-
-def required_space(cache: EraCache, keep_eras: int) -> int:
-    """Bytes the eras still to write need: keep_eras + 1 of them at once, else all."""
-    count = -(-cache.planned_tokens // cache.era_tokens) + len(cache.record().get("extended_from", ()))
-    at_once = min(count, keep_eras + 1) if keep_eras else count
-    on_disk = sum(os.path.getsize(cache.paths(era)[0]) for era in cache.on_disk() if cache.built(era))
-    return max(0, at_once * cache.era_tokens * TOKEN_BYTES - on_disk)
 
 
 def check_space(cache: EraCache, keep_eras: int) -> None:
-    require_space(cache.directory, required_space(cache, keep_eras))
+    """Stops unless the disk holds the bytes the eras still to write need: keep_eras + 1 of them at once, else all."""
+    count = -(-cache.planned_tokens // cache.era_tokens) + len(cache.record().get("extended_from", ()))
+    at_once = min(count, keep_eras + 1) if keep_eras else count
+    on_disk = sum(os.path.getsize(cache.paths(era)[0]) for era in cache.on_disk() if cache.built(era))
+    require_space(cache.directory, max(0, at_once * cache.era_tokens * TOKEN_BYTES - on_disk))
 

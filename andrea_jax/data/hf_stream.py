@@ -80,8 +80,7 @@ def _load(arguments: dict, described: str, from_hub: bool):
     try:
         return datasets.load_dataset(**arguments, streaming=True)
     except Exception as error:  # many types (not found, gated, bad config, connection) for one cause
-        refused = refusal(error, described)
-        if refused:
+        if refused := refusal(error, described):
             raise refused from None
         if transient(error):  # the stream's reads retry it
             raise
@@ -100,8 +99,7 @@ def dataset_revision(arguments: dict, local: bool) -> str | None:
     try:
         return HfApi().dataset_info(arguments["path"], revision=arguments.get("revision")).sha
     except Exception as error:  # as load_dataset's: refused at once, or left to the caller's retries
-        refused = refusal(error, f"Hugging Face dataset {arguments['path']}")
-        if refused:
+        if refused := refusal(error, f"Hugging Face dataset {arguments['path']}"):
             raise refused from None
         raise
 
@@ -114,8 +112,7 @@ def _check_hub_client(described: str) -> None:
     try:
         response = get_session().head(os.environ.get("HF_ENDPOINT") or "https://huggingface.co", timeout=10)
     except Exception as error:
-        refused = refusal(error, described)
-        if refused:
+        if refused := refusal(error, described):
             raise refused from None
         return
     if response.status_code == 407:  # a plain-HTTP endpoint's proxy answers itself
@@ -177,8 +174,7 @@ class _Texts:
         try:
             record = next(self.records)
         except Exception as error:
-            refused = refusal(error, self.described)
-            if refused:
+            if refused := refusal(error, self.described):
                 raise refused from None
             raise
         if self.field not in record:
@@ -249,8 +245,6 @@ def transient(error: BaseException) -> bool:
     if isinstance(error, DataError) or _no_retry_fix(error):
         return False
     for cause in (error, error.__cause__, error.__context__):
-        if cause is None:
-            continue
         if isinstance(cause, (TimeoutError, ConnectionError)) or \
                 _TRANSIENT_ERROR_NAMES & {kind.__name__ for kind in type(cause).__mro__}:
             return True

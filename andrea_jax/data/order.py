@@ -92,9 +92,6 @@ class Layout:
     def era_length(self, era: int) -> int:
         return int(self._era_edges[era + 1] - self._era_edges[era])
 
-    def windows_in_era(self, era: int, offset: int) -> int:
-        return max(0, (self.era_length(era) - 1 - offset) // self.seq_len)
-
     def _windows_of_eras(self, offset: int) -> np.ndarray:
         return np.maximum(0, (np.diff(self._era_edges) - 1 - offset) // self.seq_len)
 
@@ -119,12 +116,13 @@ class Layout:
             rows = np.flatnonzero(epochs == epoch)
             offset = epoch_offset(self.seed, int(epoch), self.seq_len)
             in_epoch = positions[rows] - self._epoch_starts[epoch]
-            before = np.concatenate([[0], np.cumsum(self._windows_of_eras(offset))])  # the epoch's windows before era k
+            windows = self._windows_of_eras(offset)
+            before = np.concatenate([[0], np.cumsum(windows)])  # the epoch's windows before era k
             era = np.searchsorted(before, in_epoch, side="right") - 1
             for k in np.unique(era):
                 at = era == k
                 index = in_epoch[at] - before[k]
-                window = permute(index, self.windows_in_era(int(k), offset), _keys(self.seed, int(epoch), _PERMUTATION, int(k)))
+                window = permute(index, int(windows[k]), _keys(self.seed, int(epoch), _PERMUTATION, int(k)))
                 eras[rows[at]] = k
                 offsets[rows[at]] = offset + window * self.seq_len
         return epochs, eras, offsets

@@ -49,9 +49,6 @@ class _RandomAccess:
     def resume(self, position: int, state: None) -> None:
         pass
 
-    def revision(self) -> None:
-        return None
-
 
 @dataclasses.dataclass(frozen=True)
 class DataSourceDocuments(_RandomAccess):

@@ -63,10 +63,6 @@ def require_writable(directory: str) -> None:
     run_dir.require_writable(directory, f"data.cache_dir {cache_dir}", "point data.cache_dir at another directory")
 
 
-def hf_stream_moved(described: str, recorded: str | None, now: str | None, fix: str) -> DataError:
-    return DataError(f"{described} moved from commit {recorded} to {now} since this cache began; {fix}")
-
-
 def no_text(split: str) -> str:
     return (f"the {split} split has no text (0 tokens); add text to the source, or hold out "
             f"{'less' if split == 'train' else 'more'} of it for validation (data.val_fraction; "

@@ -21,10 +21,9 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from andrea_jax import UserError
+from andrea_jax import UserError, run_dir
 from andrea_jax.gpt2 import interop
 from andrea_jax.runtime import atomic
-from andrea_jax import run_dir
 from andrea_jax.config import base_config, validate
 from andrea_jax.data import tokenizer as tokenizers
 from andrea_jax.data.tokenizer import END_OF_TEXT, Tokenizer
@@ -345,22 +344,8 @@ def _staged(target: str) -> Iterator[str]:
 _REQUIRED = {"export": ("workdir", "out"), "import": ("hf", "workdir")}
 
 
-def _define_flags() -> None:
-    from ml_collections import config_flags
-
-    flags.DEFINE_string("workdir", None, "export: the run directory to read; import: the new run directory")
-    flags.DEFINE_string("out", None, "export: the directory to write (config.json, model.safetensors, ...)")
-    flags.DEFINE_integer("step", None, "export: the checkpoint step (default: the newest)")
-    flags.DEFINE_string("hf", None, "import: a Hugging Face GPT-2 directory, or a nanoGPT ckpt.pt")
-    flags.DEFINE_string("tokenizer", None, "import: a tokenizer.json, nanoGPT's meta.pkl, or a directory with "
-                        "vocab.json + merges.txt (default: beside the checkpoint, or nanoGPT's data/<dataset>/)")
-    config_flags.DEFINE_config_file("config", None, "import: the config for everything but the model's shape "
-                                    "(data, optimizer, steps), e.g. configs/tiny.py", lock_config=False)
-    flags.DEFINE_bool("overwrite", False, "replace a non-empty output directory")
-
-
 def main(argv: list[str]) -> None:
-    """`export` or `import`, with the flags `_define_flags` gives; errors as one line and exit status 2."""
+    """`export` or `import`, with the flags defined under __main__; errors as one line and exit status 2."""
     from absl import logging
 
     from andrea_jax.runtime import cli, storage
@@ -388,7 +373,17 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from ml_collections import config_flags
+
     from andrea_jax.runtime import cli
 
-    _define_flags()
+    flags.DEFINE_string("workdir", None, "export: the run directory to read; import: the new run directory")
+    flags.DEFINE_string("out", None, "export: the directory to write (config.json, model.safetensors, ...)")
+    flags.DEFINE_integer("step", None, "export: the checkpoint step (default: the newest)")
+    flags.DEFINE_string("hf", None, "import: a Hugging Face GPT-2 directory, or a nanoGPT ckpt.pt")
+    flags.DEFINE_string("tokenizer", None, "import: a tokenizer.json, nanoGPT's meta.pkl, or a directory with "
+                        "vocab.json + merges.txt (default: beside the checkpoint, or nanoGPT's data/<dataset>/)")
+    config_flags.DEFINE_config_file("config", None, "import: the config for everything but the model's shape "
+                                    "(data, optimizer, steps), e.g. configs/tiny.py", lock_config=False)
+    flags.DEFINE_bool("overwrite", False, "replace a non-empty output directory")
     cli.run_app(main)

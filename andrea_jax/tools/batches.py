@@ -72,14 +72,14 @@ class RunWindows:
         _, era_of, offset_of = self.layout.locate(np.arange(index * self.batch_size, (index + 1) * self.batch_size))
         return [(int(era), self.layout.era_start(int(era)) + int(offset)) for era, offset in zip(era_of, offset_of)]
 
-    def tokens(self, era: int, offset: int) -> np.ndarray | None:
+    def text(self, tokenizer, era: int, offset: int) -> str | None:
         if era not in self._open:
             self._open[era] = self.cache.verified(era)
         tokens = self._open[era]
-        if tokens is None:
+        if tokens is None:  # deleted once training passed it (data.keep_eras)
             return None
         start = offset - self.layout.era_start(era)
-        return np.asarray(tokens[start:start + self.seq_len + 1])
+        return tokenizer.decode(np.asarray(tokens[start:start + self.seq_len + 1]).tolist())[:_TEXT_CHARACTERS]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,34 +90,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object a line")
     arguments = parser.parse_args(argv)
     with storage.WorkingCopy(arguments.workdir) as copy:  # of a gs:// workdir: its records, pulled
-        _print_windows(copy.local, arguments)
-
-
-def _print_windows(workdir: str, arguments: argparse.Namespace) -> None:
-    run = RunWindows(workdir)
-    steps = step_range(arguments.steps)
-    if steps.stop - 1 > int(run.config.steps):
-        raise UserError(f"--steps {arguments.steps} goes past the run's last step, {run.config.steps}")
-    tokenizer = tokenizers.load(os.path.join(workdir, pipeline.TOKENIZER_FILE)) if arguments.text else None
-    for step in steps:
-        windows = run.windows(step)
-        if arguments.json:
-            line = {"step": step, "windows": [list(window) for window in windows]}
-            if tokenizer is not None:
-                line["text"] = [text_of(run, tokenizer, *window) for window in windows]
-            print(json.dumps(line))
-            continue
-        print(f"step {step}:")
-        for row, (era, offset) in enumerate(windows):
-            text = f"  {text_of(run, tokenizer, era, offset)!r}" if tokenizer is not None else ""
-            print(f"  row {row}: era {era}, token {offset:,}{text}")
-
-
-def text_of(run: RunWindows, tokenizer, era: int, offset: int) -> str | None:
-    tokens = run.tokens(era, offset)
-    if tokens is None:  # deleted once training passed it (data.keep_eras)
-        return None
-    return tokenizer.decode(tokens.tolist())[:_TEXT_CHARACTERS]
+        run = RunWindows(copy.local)
+        steps = step_range(arguments.steps)
+        if steps.stop - 1 > int(run.config.steps):
+            raise UserError(f"--steps {arguments.steps} goes past the run's last step, {run.config.steps}")
+        tokenizer = tokenizers.load(os.path.join(copy.local, pipeline.TOKENIZER_FILE)) if arguments.text else None
+        for step in steps:
+            windows = run.windows(step)
+            if arguments.json:
+                line = {"step": step, "windows": [list(window) for window in windows]}
+                if tokenizer is not None:
+                    line["text"] = [run.text(tokenizer, *window) for window in windows]
+                print(json.dumps(line))
+                continue
+            print(f"step {step}:")
+            for row, (era, offset) in enumerate(windows):
+                text = f"  {run.text(tokenizer, era, offset)!r}" if tokenizer is not None else ""
+                print(f"  row {row}: era {era}, token {offset:,}{text}")
 
 
 if __name__ == "__main__":

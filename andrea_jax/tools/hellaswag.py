@@ -109,12 +109,11 @@ def read_tfds(data_dir: str = "", network_check: Callable[[], bool] = sources.ne
             for r in records.__getitems__(list(range(len(records))))]
 
 
-def load(source: str, data_dir: str = "",
-         network_check: Callable[[], bool] = sources.network_available) -> list[Example]:
+def load(source: str, data_dir: str = "") -> list[Example]:
     """The examples `source` names (as `config.hellaswag_source_problem` accepts): tfds:hellaswag's validation
     split, or a JSONL file in the original format; sorted by their text, so that a sample of them is the same
     from either (TFDS stores the records shuffled)."""
-    return sorted(read_tfds(data_dir, network_check) if source.startswith("tfds:") else read_jsonl(source))
+    return sorted(read_tfds(data_dir) if source.startswith("tfds:") else read_jsonl(source))
 
 
 def evenly_spaced(examples: Sequence[Example], count: int) -> list[Example]:

@@ -13,7 +13,6 @@ from andrea_jax import model
 
 
 def param_shapes(model_config: ml_collections.ConfigDict) -> Mapping:
-    """Unboxed ShapeDtypeStructs of the params, via jax.eval_shape."""
     return nn.meta.unbox(jax.eval_shape(lambda rng: model.init_params(model_config, rng), jax.random.key(0)))
 
 

@@ -109,8 +109,7 @@ def figure_of(records: list[dict], name: str):
 
 def main(argv: list[str]) -> None:
     del argv
-    from andrea_jax.runtime import cli
-    from andrea_jax.runtime import storage
+    from andrea_jax.runtime import cli, storage
 
     def plot() -> None:
         with storage.WorkingCopy(flags.FLAGS.workdir, owns=lambda name: name == PLOT_FILE) as copy:
