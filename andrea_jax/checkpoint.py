@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from andrea_jax import UserError
+from andrea_jax import UserError, first_line
 from andrea_jax.runtime import atomic, storage
 from andrea_jax.run_dir import PROJECT
 
@@ -192,8 +192,3 @@ class Checkpointer:
             self._manager.close()
         if not self.read_only:
             self._remove_deleted()
-
-
-def first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:160]}" if text else type(error).__name__

@@ -247,9 +247,7 @@ RULES = (
 def validate(c: ml_collections.ConfigDict) -> None:
     """Checks that need no devices; the mesh and the micro-batch split are checked by `sharding.make_mesh`."""
     for key, (allowed, requirement) in RULES:
-        value = c
-        for part in key.split("."):
-            value = value[part]
+        value = c[key]
         if not allowed(value):
             raise ConfigError(f"{key}={value!r} {requirement}")
     m = c.model

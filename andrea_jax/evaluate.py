@@ -105,14 +105,7 @@ def _without_tokenizer(workdir: str) -> str:
     tokenizer while it prepares the data, then checkpoints."""
     if not os.path.isfile(os.path.join(workdir, run_dir.CONFIG_FILE)):
         return f"{workdir} has no {pipeline.TOKENIZER_FILE}; pass the directory train.py wrote"
-    directory = checkpoint.directory_of(workdir)
-    ckpt = checkpoint.Checkpointer(workdir, read_only=True) if storage.exists(directory) else None
-    try:
-        trained = ckpt is not None and bool(ckpt.steps())
-    finally:
-        if ckpt is not None:
-            ckpt.close()
-    if trained:
+    if checkpoint.saved_steps(workdir):
         return (f"{workdir} has checkpoints but no {pipeline.TOKENIZER_FILE}; put the run's own "
                 f"{pipeline.TOKENIZER_FILE} back (its checkpoints record its SHA-256)")
     return (f"the run in {workdir} never finished preparing its data (it has no {pipeline.TOKENIZER_FILE} and no "

@@ -29,8 +29,8 @@ def for_devices(config: ml_collections.ConfigDict, device, saved: ml_collections
         if config.microbatches == 0 and saved.microbatches:
             config.microbatches, config.model.remat = saved.microbatches, saved.model.remat
     config.model.dtype = precision.resolve_dtype_name(config.model.dtype, device)
-    if saved is not None and config.optimizer.muon_ns_dtype == "auto":  # runs saved before the key: float32
-        config.optimizer.muon_ns_dtype = saved.optimizer.to_dict().get("muon_ns_dtype", "float32")
+    if saved is not None and config.optimizer.muon_ns_dtype == "auto":
+        config.optimizer.muon_ns_dtype = saved.optimizer.muon_ns_dtype
     if config.optimizer.muon_ns_dtype == "auto":  # bfloat16 where an accelerator's products run in it (not a T4)
         accelerated = device.platform != "cpu" and config.model.dtype == "bfloat16"
         config.optimizer.muon_ns_dtype = "bfloat16" if accelerated else "float32"

@@ -59,6 +59,8 @@ def load_saved_config(workdir: str) -> ml_collections.ConfigDict | None:
     config.model.attention = RENAMED_ATTENTION.get(config.model.attention, config.model.attention)
     if "order" not in saved["config"].get("data", {}):  # a run started before data.order: random offsets
         config.data.order = "random"
+    if "muon_ns_dtype" not in saved["config"].get("optimizer", {}):  # saved before the key: computed in float32
+        config.optimizer.muon_ns_dtype = "float32"
     return config
 
 
@@ -182,21 +184,17 @@ def lock(descriptor: int, about: str = "") -> int:
     no locks; either way the descriptor is closed."""
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, started "
+                              f"{time.strftime('%Y-%m-%d %H:%M:%S')}{about}".encode(), 0)
+    except BlockingIOError:  # only flock's: another process holds it
         holder, deadline = "", time.monotonic() + 1
         while not holder and time.monotonic() < deadline:  # a holder writes itself in right after it locks
             holder = os.pread(descriptor, 300, 0).decode("utf-8", "replace").strip()
             time.sleep(0 if holder else 0.01)
         os.close(descriptor)
         raise Held(holder or "another process") from None
-    except OSError:
-        os.close(descriptor)
-        raise
-    try:
-        os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, started "
-                              f"{time.strftime('%Y-%m-%d %H:%M:%S')}{about}".encode(), 0)
-    except OSError:  # a full disk
+    except OSError:  # no file locks, or a full disk
         os.close(descriptor)
         raise
     return descriptor

@@ -54,7 +54,7 @@ def prepare_run(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, le
     on `device` (`resolve.for_devices`; config validated). Returns (prepared data, config, the config the
     workdir's run was started with or None); the leader's locks are released with `held`, and a workdir it
     creates is removed again by a failure or a stop before the first step."""
-    first_step_started, workdir = (lambda: request.training), copy.local
+    workdir = copy.local
     saved = run_dir.load_saved_config(workdir)
     if jax.process_count() > 1:  # every process has seen the directory as it was before the leader writes to it
         multihost_utils.sync_global_devices("andrea_config_read")
@@ -68,8 +68,16 @@ def prepare_run(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, le
     def undo_if_unstarted(undo: Callable[[], None]) -> None:
         """`undo()` where the new run fails or stops at once before its first step: at the exit of `held`
         (before the lock is released), or in the stop's clean-up before the process ends; the latest first."""
-        held.push(partial(_undo_if_unstarted, workdir, first_step_started, undo))
-        request.clean_ups.insert(0, partial(_undo_if_unstarted, workdir, first_step_started, undo, KeyboardInterrupt))
+        def if_unstarted(failure: type | None, *_) -> None:
+            """After a failure, `undo()` (remove the workdir, its eras or its claim) if the failure came before
+            the first step (the checkpoints, metrics and logs opened for it then hold nothing; a Ctrl-C while the
+            first era is encoded lands there), or the workdir holds no more than the start-up writes (called
+            while the run's lock is held, so no other run can be in it)."""
+            with contextlib.suppress(OSError):
+                if failure is not None and (not request.training or set(os.listdir(workdir)) <= _START_UP_FILES):
+                    undo()
+        held.push(if_unstarted)
+        request.clean_ups.insert(0, partial(if_unstarted, KeyboardInterrupt))
 
     def as_leader():
         created = copy.created
@@ -145,17 +153,6 @@ def _stopped_at_once(workdir: str, name: str, training: bool) -> str:
             "; run the same command to resume")
 
 
-def _undo_if_unstarted(workdir: str, first_step_started: Callable[[], bool], undo: Callable[[], None],
-                       failure: type | None, *_) -> None:
-    """An exit of a run that created `workdir`: after a failure, `undo()` (remove the workdir, its eras or its
-    claim) if the failure came before the first step (the checkpoints, metrics and logs opened for it then hold
-    nothing; a Ctrl-C while the first era is encoded lands there), or the workdir holds no more than the start-up
-    writes (called while the run's lock is held, so no other run can be in it)."""
-    with contextlib.suppress(OSError):
-        if failure is not None and (not first_step_started() or set(os.listdir(workdir)) <= _START_UP_FILES):
-            undo()
-
-
 def _written_here(name: str) -> bool:
     """Whether this process writes the working copy's file `name` back: process 0 all of its files, another
     its own traces."""
@@ -178,7 +175,13 @@ def _train(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, devices
     if leader and copy.remote is not None:
         print(f"checkpoints go to {copy.remote} through Orbax; metrics, TensorBoard events and traces are written in "
               f"{copy.local} and copied there at each log and checkpoint (docs/cloud_storage.md)", flush=True)
-    encoder = _start_encoder(config, workdir, prepared, held, own_data)  # encodes while the step compiles
+    encoder = None
+    if (leader or own_data) and prepared.train.encoded_beside_training:  # encodes while the step compiles
+        with contextlib.suppress(FileNotFoundError):  # where an earlier run's steps were: the new one says anew
+            os.remove(prepared.train.position_path)
+        encoder = Encoder(config, workdir, max(checkpoint.saved_steps(workdir), default=0),
+                          jax.process_index() if own_data else None)
+        held.callback(encoder.stop)
     mesh = sharding.make_mesh(config, devices)  # again: a resume keeps its own micro-batches, which must split here
     hellaswag_rows = None if hellaswag_examples is None else \
         hellaswag.rows_of(hellaswag_examples, config.hellaswag.examples, prepared.tokenizer)
@@ -204,21 +207,18 @@ def _train(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, devices
         ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
         held.callback(ckpt.close)  # an async save not waited for is lost
         restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256)
-        carried_losses: list[float] = []
-        carried_seconds = 0.0  # the run's time in earlier sessions, up to the checkpoint it resumes from
+        meta = {} if restored is None else restored[1]
+        start_step = int(meta.get("step", 0))
+        carried_losses = list(meta.get("log_interval_losses", []))
+        carried_seconds = float(meta.get("train_seconds", 0.0))  # the run's time in earlier sessions
         if restored is None:
             # Built directly sharded: the full model never sits on one device.
             state = jax.jit(lambda rng: sharding.unbox(init(rng)), out_shardings=state_shardings)(
                 jax.random.key(config.seed))
-            start_step = 0
             if config.init_params_from:  # a new run from another's parameters; its optimizer starts anew
                 state["params"] = _params_from(config.init_params_from, abstract, prepared.tokenizer.sha256)
         else:
-            restored_state, meta = restored
-            start_step = int(meta["step"])
-            carried_losses = list(meta.get("log_interval_losses", []))
-            carried_seconds = float(meta.get("train_seconds", 0.0))
-            state = {"step": jax.device_put(np.int32(start_step), state_shardings["step"]), **restored_state}
+            state = {"step": jax.device_put(np.int32(start_step), state_shardings["step"]), **restored[0]}
             if "loss_scale" in abstract and "loss_scale" not in state:  # saved computing in another dtype
                 state["loss_scale"] = jax.device_put(loss_scale.init(), state_shardings["loss_scale"])
             if leader:
@@ -235,7 +235,11 @@ def _train(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, devices
         held.callback(writer.close)
         if encoder is not None and encoder.first_step != start_step:  # a newer checkpoint was unreadable
             encoder.restart(start_step)
-        reader, make_batch = _batches(config, prepared, encoder, delete_passed=leader or own_data)
+        reader = eras.Reader(prepared.train, config.seed, config.seq_len, config.data.keep_eras,
+                             delete_passed=leader or own_data, encoder=encoder and encoder.process,
+                             log=lambda line: tqdm.write(line), order=config.data.order)
+        make_batch = partial(reader.batch, batch_size=config.batch_size, process_index=jax.process_index(),
+                             process_count=jax.process_count())  # this process's rows of a step
         step_trace = trace.StepTrace(workdir, config, start_step)
         held.callback(step_trace.close)
         if prepared.train.encoded_beside_training and start_step < config.steps:  # the wait for the first era in
@@ -245,37 +249,15 @@ def _train(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, devices
                      reader, hellaswag_rows, mesh, peak, ckpt, writer, step_trace, copy, request)
 
 
-def _start_encoder(config: ml_collections.ConfigDict, workdir: str, prepared: pipeline.Prepared,
-                   held: contextlib.ExitStack, own_data: bool) -> Encoder | None:
-    if not ((jax.process_index() == 0 or own_data) and prepared.train.encoded_beside_training):
-        return None
-    with contextlib.suppress(FileNotFoundError):  # where an earlier run's steps were: the new one says anew
-        os.remove(prepared.train.position_path)
-    encoder = Encoder(config, workdir, max(checkpoint.saved_steps(workdir), default=0),
-                      jax.process_index() if own_data else None)
-    held.callback(encoder.stop)
-    return encoder
-
-
 def _params_from(workdir: str, abstract: dict, tokenizer_sha256: str) -> Any:
     """The parameters of the newest readable checkpoint in `workdir` (config.init_params_from)."""
-    restored = checkpoint.Checkpointer(workdir, read_only=True).restore(
-        {"params": abstract["params"]}, params_only=True, tokenizer_sha256=tokenizer_sha256)
+    with contextlib.closing(checkpoint.Checkpointer(workdir, read_only=True)) as source:
+        restored = source.restore({"params": abstract["params"]}, params_only=True, tokenizer_sha256=tokenizer_sha256)
     if restored is None:
         raise checkpoint.CheckpointError(f"init_params_from={workdir!r} holds no checkpoint; point it at a "
                                          f"workdir that train.py saved one in")
     print(f"the parameters start from step {restored[1]['step']} of {workdir} (init_params_from)", flush=True)
     return restored[0]["params"]
-
-
-def _batches(config: ml_collections.ConfigDict, prepared: pipeline.Prepared, encoder: Encoder | None,
-             delete_passed: bool):
-    """(the era reader, make_batch(step) -> this process's rows) for the run's data.order."""
-    rows = dict(batch_size=config.batch_size, process_index=jax.process_index(), process_count=jax.process_count())
-    reader = eras.Reader(prepared.train, config.seed, config.seq_len, config.data.keep_eras,
-                         delete_passed=delete_passed, encoder=encoder and encoder.process,
-                         log=lambda line: tqdm.write(line), order=config.data.order)
-    return reader, lambda step: reader.batch(step, **rows)
 
 
 def _loop(steps: fit.Steps, state: dict, start_step: int, carried_losses: list[float], carried_seconds: float,
@@ -446,11 +428,9 @@ def _report_schedule_change(saved: ml_collections.ConfigDict | None, config: ml_
     raises it again)."""
     if saved is None or not start_step:
         return
-    pairs = [("steps", saved.steps, config.steps)] + [
-        (f"optimizer.{key}", saved.optimizer[key], config.optimizer[key])
-        for key in ("learning_rate", "warmup_steps", "decay", "cooldown_steps", "cooldown_shape",
-                    "min_learning_rate_ratio")]
-    changes = [f"{key} {old} → {new}" for key, old, new in pairs if old != new]
+    keys = ("steps", *(f"optimizer.{key}" for key in ("learning_rate", "warmup_steps", "decay", "cooldown_steps",
+                                                       "cooldown_shape", "min_learning_rate_ratio")))
+    changes = [f"{key} {saved[key]} → {config[key]}" for key in keys if saved[key] != config[key]]
     if changes:
         now, before = (float(optimizer.learning_rate_schedule(c)(start_step)) for c in (config, saved))
         cooldown = optimizer.cooldown_start(config)

@@ -96,7 +96,7 @@ def restores_every_checkpoint(workdir: str) -> list[str]:
     import flax.linen as nn
     import jax
 
-    from andrea_jax import checkpoint, fit, run_dir, sharding
+    from andrea_jax import checkpoint, first_line, fit, run_dir, sharding
 
     saver = checkpoint.Checkpointer(workdir, read_only=True)
     failures = []
@@ -115,7 +115,7 @@ def restores_every_checkpoint(workdir: str) -> list[str]:
                     if meta["step"] != step or set(state) != set(abstract) - {"step"}:
                         failures.append(f"step {step}: restored {sorted(state)} at meta step {meta['step']}")
                 except Exception as error:  # noqa: BLE001 - every failure is a finding
-                    failures.append(f"step {step}: {checkpoint.first_line(error)}")
+                    failures.append(f"step {step}: {first_line(error)}")
     finally:
         saver.close()
     return failures

@@ -1,5 +1,6 @@
 """Warmup and decay, and which parameters decay."""
 
+import json
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -223,9 +224,9 @@ def test_muon_s_direction_in_float32_is_optax_s_and_in_bfloat16_within_its_round
             np.testing.assert_allclose(g, e, rtol=1e-6)
 
 
-def test_muon_s_iterations_are_float32_on_cpus_and_a_resumed_run_keeps_its_own():
+def test_muon_s_iterations_are_float32_on_cpus_and_a_resumed_run_keeps_its_own(tmp_path):
     """(bfloat16 on a GPU: tests/test_compile_check.py's H200 Muon step.)"""
-    from andrea_jax import resolve
+    from andrea_jax import resolve, run_dir
     c = base_config()
     c.optimizer.name = "muon"
     device = jax.devices()[0]
@@ -233,7 +234,12 @@ def test_muon_s_iterations_are_float32_on_cpus_and_a_resumed_run_keeps_its_own()
     saved = base_config()
     saved.optimizer.muon_ns_dtype = "bfloat16"
     assert resolve.for_devices(c, device, saved=saved).optimizer.muon_ns_dtype == "bfloat16"
-    del saved.optimizer["muon_ns_dtype"]  # a run saved before the key computed in float32
+    saved.optimizer.muon_ns_dtype = "auto"  # a run stopped before its first step: this device decides
     assert resolve.for_devices(c, device, saved=saved).optimizer.muon_ns_dtype == "float32"
+    # A run saved before the key computed in float32, where an accelerator would now choose bfloat16.
+    older = base_config().to_dict()
+    del older["optimizer"]["muon_ns_dtype"]
+    (tmp_path / run_dir.CONFIG_FILE).write_text(json.dumps({"project": run_dir.PROJECT, "config": older}))
+    assert run_dir.load_saved_config(str(tmp_path)).optimizer.muon_ns_dtype == "float32"
     with pytest.raises(ValueError, match="muon_ns_dtype='auto' is decided"):
         optimizer.make(c)

@@ -13,7 +13,7 @@ import time
 
 import jax
 
-from andrea_jax.checkpoint import first_line
+from andrea_jax import first_line
 from andrea_jax.config import ConfigError
 
 

@@ -24,7 +24,7 @@ _POLL_S = 0.005
 
 
 class StopRequest:
-    """The signals received, in order; `training`, `saving` and `at_once` say what a signal does now."""
+    """The signals received, in order; `training`, `saving` and `line_at_once` say what a signal does now."""
 
     def __init__(self, exit_process: bool) -> None:
         self.received: list[str] = []
@@ -58,7 +58,12 @@ class StopRequest:
         """Whether this process, or with several processes any of them, was asked to stop (polled by waits)."""
         if jax.process_count() == 1:
             return bool(self.received)
-        return self._publish() or _try_get(_client(), _KEY) is not None
+        if self._publish():
+            return True
+        try:
+            return _client().key_value_try_get(_KEY) is not None
+        except Exception:  # absent
+            return False
 
     def _publish(self) -> bool:
         """Posts this process's request for the others' waits (once); whether there is one."""
@@ -104,13 +109,6 @@ def _client():
     from jax._src import distributed  # the runtime's client: JAX has no public handle on its key-value store
 
     return distributed.global_state.client
-
-
-def _try_get(client, key: str) -> str | None:
-    try:
-        return client.key_value_try_get(key)
-    except Exception:  # absent
-        return None
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 
-from andrea_jax import UserError
+from andrea_jax import UserError, first_line
 
 # Before gcsfs is imported: its experimental zonal-bucket support asks a gRPC service about every bucket, and
 # where none answers (an emulator) waits 60 s an operation. Orbax's epath then uses gcsfs also beside TensorFlow.
@@ -105,7 +105,10 @@ class WorkingCopy:
         if self.remote is None:
             self.local = os.fspath(workdir)
             return
-        check_reachable(self.remote)
+        bucket, _, prefix = self.remote[len(SCHEME):].partition("/")
+        with _explained(self.remote):  # one listing: no credentials, bucket or network stop the start in seconds
+            next(iter(_client(self.remote).list_blobs(bucket, prefix=prefix, max_results=1, retry=_retry(),
+                                                      timeout=_TIMEOUT_S)), None)
         self.fs, self.root = _filesystem(self.remote)
         self.local = tempfile.mkdtemp(prefix="andrea_workdir_")
         _copies[os.path.abspath(self.local)] = self
@@ -139,8 +142,7 @@ class WorkingCopy:
                 if not name.startswith(_NOT_PULLED):
                     target = os.path.join(self.local, name)
                     os.makedirs(os.path.dirname(target), exist_ok=True)
-                    with open(target, "wb") as f:
-                        f.write(self.fs.cat_file(source))
+                    pathlib.Path(target).write_bytes(self.fs.cat_file(source))
                     self._known[name] = _signature(target)
 
     def push(self, wait: bool = False) -> None:
@@ -319,15 +321,6 @@ def _alive(pid: int) -> bool:
     return pid > 0
 
 
-def check_reachable(workdir: str) -> None:
-    """One listing request, so that no credentials, a missing bucket, no permission or no network stop the
-    start in seconds, in one line."""
-    bucket, _, prefix = workdir[len(SCHEME):].partition("/")
-    with _explained(workdir):
-        next(iter(_client(workdir).list_blobs(bucket, prefix=prefix, max_results=1, retry=_retry(),
-                                              timeout=_TIMEOUT_S)), None)
-
-
 def _client(workdir: str):
     from google.cloud import storage
 
@@ -355,7 +348,7 @@ def _explained(workdir: str):
         from google.auth import exceptions as auth
 
         bucket = SCHEME + workdir[len(SCHEME):].split("/")[0]
-        about = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}" if str(error) else type(error).__name__
+        about = first_line(error)
         if isinstance(error, (auth.DefaultCredentialsError, auth.RefreshError)):
             raise StorageError(f"no Google Cloud credentials for {workdir} ({about}); run `gcloud auth "
                                f"application-default login` (on Colab: `from google.colab import auth; "
