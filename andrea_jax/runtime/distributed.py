@@ -49,6 +49,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     # (data preparation, restore, compilation): the process ran on until the scheduler's SIGKILL.
     # Without it such a SIGTERM ends the process at once, as it does a single-process run.
     jax.config.update("jax_enable_preemption_service", False)
+    keep_call_sites_out_of_programs()
     try:
         if coordinator_address is not None and process_id != 0:
             # The runtime aborts the whole process when the coordinator never answers;
@@ -63,6 +64,22 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                           f"check that process 0 runs and --coordinator_address/--num_processes/--process_id agree "
                           f"on every process") from error
     return True
+
+
+def keep_call_sites_out_of_programs() -> None:
+    """Leaves the Python call stack out of the programs JAX compiles from here on, so that a collective called
+    from different lines (or files) in different processes is one program, with one fingerprint, in all of them.
+
+    JAX writes the caller's stack into each operation's metadata (MLIR locations, then the HLO's stack frames);
+    the executable's fingerprint covers them, and the run id of each launch is derived from the fingerprint.
+    On jax 0.12.1 the CPU's (gloo) collectives of two processes whose run ids differ never meet: leader_first's
+    `broadcast_one_to_all`, called on one line by the leader and another by the followers, waited for ever
+    (0.12.0.1 ran it). A frame limit of 0 writes no frames; the operations' names stay, and the compiled code
+    is the same. Multi-process runs only: a single process's programs keep their lines for profiles and dumps.
+    """
+    jax.config.update("jax_traceback_in_locations_limit", 0)
+    # Without full tracebacks JAX writes the innermost user frame whatever the limit.
+    jax.config.update("jax_include_full_tracebacks_in_locations", True)
 
 
 def _wait_for_coordinator(host: str, port: int, timeout_s: int) -> None:
