@@ -57,9 +57,15 @@ def launch(args, processes: int, devices_per_process: int, log_prefix):
 
 
 def wait_all(procs, timeout=400):
+    """The exit codes; past the timeout all of them are killed (one hung in a collective ignores SIGTERM)."""
     deadline = time.time() + timeout
-    codes = [p.wait(timeout=max(1, deadline - time.time())) for p in procs]
-    return codes
+    try:
+        return [p.wait(timeout=max(1, deadline - time.time())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def records(workdir, key):

@@ -67,16 +67,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 
 def keep_call_sites_out_of_programs() -> None:
-    """Leaves the Python call stack out of the programs JAX compiles from here on, so that a collective called
-    from different lines (or files) in different processes is one program, with one fingerprint, in all of them.
-
-    JAX writes the caller's stack into each operation's metadata (MLIR locations, then the HLO's stack frames);
-    the executable's fingerprint covers them, and the run id of each launch is derived from the fingerprint.
-    On jax 0.12.1 the CPU's (gloo) collectives of two processes whose run ids differ never meet: leader_first's
-    `broadcast_one_to_all`, called on one line by the leader and another by the followers, waited for ever
-    (0.12.0.1 ran it). A frame limit of 0 writes no frames; the operations' names stay, and the compiled code
-    is the same. Multi-process runs only: a single process's programs keep their lines for profiles and dumps.
-    """
+    """Leaves the Python call stack out of the programs compiled from here on, so that a collective called from
+    different lines in different processes is one program in all of them. The stack is in each operation's
+    metadata, which the executable's fingerprint (and so each launch's run id) covers; on jax 0.12.1 two
+    processes whose run ids differ wait in the collective for ever (leader_first's leader and followers did).
+    The operations' names stay and the compiled code is the same; a single process keeps its lines."""
     jax.config.update("jax_traceback_in_locations_limit", 0)
     # Without full tracebacks JAX writes the innermost user frame whatever the limit.
     jax.config.update("jax_include_full_tracebacks_in_locations", True)
