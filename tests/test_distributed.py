@@ -7,6 +7,7 @@ leader and followers, for one): the call stack is in the program's metadata, and
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import numpy as np
@@ -20,7 +21,7 @@ from tests.test_multihost import ROOT, env, free_port
 def jax_config():
     """Restores the settings that joining a run changes."""
     names = ("jax_traceback_in_locations_limit", "jax_include_full_tracebacks_in_locations",
-             "jax_enable_preemption_service")
+             "jax_compilation_cache_include_metadata_in_key", "jax_enable_preemption_service")
     saved = {name: getattr(jax.config, name) for name in names}
     yield
     for name, value in saved.items():
@@ -36,6 +37,7 @@ def lowered_text():
 def test_a_multi_process_run_lowers_one_program_whatever_line_calls_it(jax_config, monkeypatch):
     joined = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: joined.append(args))
+    monkeypatch.setattr(distributed, "cluster_detected", lambda *args: False)  # whatever this machine is
     assert not distributed.initialize()  # one process, no cluster: its programs keep their lines
     here = lowered_text()
     there = lowered_text()
@@ -47,6 +49,7 @@ def test_a_multi_process_run_lowers_one_program_whatever_line_calls_it(jax_confi
     there = lowered_text()
     assert here == there
     assert "jit(<lambda>)/mul" in here  # the operations' names stay
+    assert jax.config.jax_compilation_cache_include_metadata_in_key
     # JAX's other setting writes the innermost user frame whatever the limit: joining turns it back on.
     jax.config.update("jax_include_full_tracebacks_in_locations", False)
     distributed.initialize("127.0.0.1:1234", 2, 0)
@@ -76,13 +79,15 @@ def test_two_processes_meet_in_a_collective_they_call_from_different_lines(tmp_p
     script = tmp_path / "two_lines.py"
     script.write_text(CALLED_FROM_TWO_LINES)
     address = f"127.0.0.1:{free_port()}"
+    # Each compiles its own program: from the suite's compilation cache one could load the other's.
+    child_env = {key: value for key, value in env(1).items() if key != "JAX_COMPILATION_CACHE_DIR"}
+    logs = [tmp_path / f"process_{rank}.log" for rank in range(2)]
     procs = [subprocess.Popen([sys.executable, str(script), address, str(rank)], cwd=ROOT,
-                              env=dict(env(1), PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for rank in range(2)]
-    outputs = []
+                              env=dict(child_env, PYTHONPATH=ROOT, JAX_ENABLE_COMPILATION_CACHE="false"),
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT) for rank, log in zip(range(2), logs)]
+    deadline = time.monotonic() + 90
     try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=90)[0])
+        codes = [proc.wait(timeout=max(1, deadline - time.monotonic())) for proc in procs]
     except subprocess.TimeoutExpired:
         pytest.fail("the processes still wait in the collective after 90 s")
     finally:
@@ -90,5 +95,6 @@ def test_two_processes_meet_in_a_collective_they_call_from_different_lines(tmp_p
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    outputs = [log.read_text() for log in logs]
+    assert codes == [0, 0], outputs
     assert [output.splitlines()[-1] for output in outputs] == ["received 7", "received 7"], outputs

@@ -1,6 +1,7 @@
 """Warmup and decay, and which parameters decay."""
 
 import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

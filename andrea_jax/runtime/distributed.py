@@ -75,6 +75,9 @@ def keep_call_sites_out_of_programs() -> None:
     jax.config.update("jax_traceback_in_locations_limit", 0)
     # Without full tracebacks JAX writes the innermost user frame whatever the limit.
     jax.config.update("jax_include_full_tracebacks_in_locations", True)
+    # A persistent cache's key leaves the metadata out: a program cached by code that still wrote lines would
+    # otherwise be loaded in one process beside another's compiled anew.
+    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
 
 
 def _wait_for_coordinator(host: str, port: int, timeout_s: int) -> None:

@@ -36,7 +36,7 @@ def step_range(text: str) -> range:
 
 
 class RunWindows:
-    """The windows of a run's steps, from its workdir: (era, offset in the split) and the tokens when on disk."""
+    """The windows of a run's steps, from its workdir: (era, offset in the split) and their text when on disk."""
 
     def __init__(self, workdir: str) -> None:
         config = run_dir.load_saved_config(workdir)
