@@ -208,7 +208,7 @@ def _train(config: ml_collections.ConfigDict, copy: storage.WorkingCopy, devices
         held.callback(ckpt.close)  # an async save not waited for is lost
         restored = ckpt.restore(abstract, tokenizer_sha256=prepared.tokenizer.sha256)
         meta = {} if restored is None else restored[1]
-        start_step = int(meta.get("step", 0))
+        start_step = 0 if restored is None else int(meta["step"])
         carried_losses = list(meta.get("log_interval_losses", []))
         carried_seconds = float(meta.get("train_seconds", 0.0))  # the run's time in earlier sessions
         if restored is None:

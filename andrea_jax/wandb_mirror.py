@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 import ml_collections
 
-from andrea_jax import run_dir
+from andrea_jax import first_line, run_dir
 from andrea_jax.runtime import atomic
 
 STATE_FILE = "wandb.json"
@@ -117,13 +117,13 @@ class Mirror:
             except Exception as error:
                 if "resume_from" not in which:
                     raise
-                which, state = _new_run(state, f"W&B refused to rewind run {state['id']} ({_first_line(error)})")
+                which, state = _new_run(state, f"W&B refused to rewind run {state['id']} ({first_line(error)})")
                 self._run = start(which)
             self._state = {**state, **mirrored}
             # Written once the run has started: a start that failed changes nothing the next start decides on.
             atomic.write(self._path, json.dumps(self._state))
         except Exception as error:  # wandb raises its own errors, and others from its service
-            _warn(f"could not start ({type(error).__name__}: {_first_line(error)})")
+            _warn(f"could not start ({first_line(error)})")
             return
         if mode != "online":
             _say(f"run {state['id']} is written to {os.path.dirname(self._run.dir)}; `wandb sync` that directory to "
@@ -156,8 +156,4 @@ class Mirror:
             if wandb is not None:  # its settings are read once a process: a later run in it (a notebook) reads anew
                 wandb.teardown()
         except Exception as error:
-            _warn(f"could not finish the run ({type(error).__name__}: {error})")
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).splitlines()[0] if str(error) else ""
+            _warn(f"could not finish the run ({first_line(error)})")

@@ -4,17 +4,17 @@ jax 0.12.1's processes wait for ever in a collective that they reach from differ
 leader and followers, for one): the call stack is in the program's metadata, and so in its fingerprint.
 """
 
+import contextlib
 import subprocess
 import sys
 import textwrap
-import time
 
 import jax
 import numpy as np
 import pytest
 
 from andrea_jax.runtime import distributed
-from tests.test_multihost import ROOT, env, free_port
+from tests.test_multihost import ROOT, env, free_port, wait_all
 
 
 @pytest.fixture
@@ -82,19 +82,15 @@ def test_two_processes_meet_in_a_collective_they_call_from_different_lines(tmp_p
     # Each compiles its own program: from the suite's compilation cache one could load the other's.
     child_env = {key: value for key, value in env(1).items() if key != "JAX_COMPILATION_CACHE_DIR"}
     logs = [tmp_path / f"process_{rank}.log" for rank in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(script), address, str(rank)], cwd=ROOT,
-                              env=dict(child_env, PYTHONPATH=ROOT, JAX_ENABLE_COMPILATION_CACHE="false"),
-                              stdout=open(log, "w"), stderr=subprocess.STDOUT) for rank, log in zip(range(2), logs)]
-    deadline = time.monotonic() + 90
-    try:
-        codes = [proc.wait(timeout=max(1, deadline - time.monotonic())) for proc in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail("the processes still wait in the collective after 90 s")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with contextlib.ExitStack() as files:
+        procs = [subprocess.Popen([sys.executable, str(script), address, str(rank)], cwd=ROOT,
+                                  env=dict(child_env, PYTHONPATH=ROOT, JAX_ENABLE_COMPILATION_CACHE="false"),
+                                  stdout=files.enter_context(open(log, "w")), stderr=subprocess.STDOUT)
+                 for rank, log in enumerate(logs)]
+        try:
+            codes = wait_all(procs, timeout=90)  # kills both past it
+        except subprocess.TimeoutExpired:
+            pytest.fail("the processes still wait in the collective after 90 s")
     outputs = [log.read_text() for log in logs]
     assert codes == [0, 0], outputs
     assert [output.splitlines()[-1] for output in outputs] == ["received 7", "received 7"], outputs

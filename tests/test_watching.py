@@ -250,7 +250,7 @@ def test_a_refused_rewind_starts_a_new_run_with_all_of_metrics_jsonl_and_wandb_s
     train_loop.train(loop_config(tmp_path, **WANDB), workdir, devices=jax.devices()[:1])
     err = capfd.readouterr().err
     new_id = state(workdir)["id"]
-    assert new_id != run_id and (f"W&B: W&B refused to rewind run {run_id} (cannot rewind a run that is not in a "
+    assert new_id != run_id and (f"W&B: W&B refused to rewind run {run_id} (CommError: cannot rewind a run that is not in a "
                                  f"terminal state): the records go to a new W&B run, {new_id}, sent the whole of "
                                  f"metrics.jsonl") in err.splitlines()
     (branch, rows), = [(branch, rows) for run, branch, _, rows in wandb_sessions(workdir) if run == new_id]
